@@ -1,0 +1,43 @@
+"""`megatron-rl` command line: one sub-command module per verb under `megatron_rl.commands`.
+
+Each command module exposes `register(subparsers) -> None`, which adds its parser and sets
+`func=<callable(args) -> int>` as the parser default. Modules are imported lazily by name so that
+`megatron-rl recipe validate` never pays for importing torch or megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Order is the order shown in `megatron-rl --help`.
+COMMAND_MODULES: tuple[str, ...] = (
+    "recipe",
+    "data",
+    "eval",
+    "plan",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl",
+        description="Megatron-LM-native RL post-training (GRPO, GSPO, CHORD).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        module = importlib.import_module(f"megatron_rl.commands.{name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

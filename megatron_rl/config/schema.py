@@ -1,0 +1,342 @@
+"""Typed recipe schema: one dataclass per component, every field documented.
+
+Field names follow Megatron-LM where one exists (tensor_model_parallel_size, micro_batch_size, ...).
+Value constraints are declared next to the field with `spec(...)` so that the loader can name the
+allowed values in its error messages; cross-field rules live in `lint.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def spec(default: Any = None, *, ge: float | None = None, gt: float | None = None,
+         le: float | None = None, lt: float | None = None, factory: Any = None,
+         path: bool = False) -> Any:
+    """A dataclass field with an optional numeric range checked by the loader.
+
+    `path=True` marks a file-system path: a relative path in a recipe file is taken relative to
+    that file's directory (like `defaults:`), one in a command-line override relative to the
+    working directory; the loader stores it absolute.
+    """
+    meta: dict[str, Any] = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt))
+                            if v is not None}
+    if path:
+        meta["path"] = True
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    hf_config: str | None = spec(None, path=True)
+    """Hugging Face model directory (or its config.json) that defines the architecture."""
+    init_checkpoint: str | None = spec(None, path=True)
+    """Weights the actor starts from: an HF directory or a Megatron dist-checkpoint; None = random."""
+    tokenizer: str | None = spec(None, path=True)
+    """Tokenizer directory; None = the one in `hf_config`'s directory."""
+    reference: Literal["none", "init", "path"] = "init"
+    """Frozen reference policy for KL: 'init' = the actor's starting weights, 'path' = `reference_path`."""
+    reference_path: str | None = spec(None, path=True)
+    """Checkpoint of the reference model when `reference: path`."""
+    params_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Training dtype: 'auto' is bf16 on GPU and fp32 on CPU."""
+    tiny: dict[str, Any] = spec(factory=dict)
+    """For tiny CPU recipes only: HF config fields of a locally built random model (no hub)."""
+
+
+@dataclass
+class ParallelismConfig:
+    nodes: int = spec(1, ge=1)
+    """Trainer nodes (rollout nodes of a disaggregated layout are counted in `rollout.nodes`)."""
+    gpus_per_node: int = spec(8, ge=1)
+    """Trainer processes per node (GPUs, or CPU processes on a CPU run)."""
+    tensor_model_parallel_size: int = spec(1, ge=1)
+    """Megatron TP degree for dense layers and attention."""
+    pipeline_model_parallel_size: int = spec(1, ge=1)
+    """Megatron PP degree."""
+    virtual_pipeline_model_parallel_size: int | None = spec(None, ge=1)
+    """Interleaved pipeline chunks per rank; None = no interleaving."""
+    context_parallel_size: int = spec(1, ge=1)
+    """Megatron CP degree (sequence split across ranks for long contexts)."""
+    expert_model_parallel_size: int = spec(1, ge=1)
+    """Megatron EP degree: experts are distributed over this many ranks."""
+    expert_tensor_parallel_size: int | None = spec(None, ge=1)
+    """TP degree inside each expert (ETP); None = same as tensor_model_parallel_size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (required with TP > 1 for MoE models)."""
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: Megatron's --recompute-granularity."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """Megatron's --recompute-method when granularity is 'full'."""
+    recompute_num_layers: int = spec(1, ge=1)
+    """Layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer states over data-parallel ranks (Megatron's DistributedOptimizer)."""
+    optimizer_cpu_offload: bool = False
+    """Keep optimizer states and fp32 master weights in host memory."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """Megatron MoE token dispatcher."""
+
+
+@dataclass
+class RolloutConfig:
+    n: int = spec(8, ge=1)
+    """Samples generated per prompt (GRPO's group size G, a.k.a. num_generations)."""
+    temperature: float = spec(1.0, gt=0.0)
+    """Sampling temperature; the behaviour policy whose log-probs the trainer compares against."""
+    top_p: float = spec(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold (1.0 = off; anything else makes the behaviour policy truncated)."""
+    top_k: int = spec(-1, ge=-1)
+    """Top-k sampling (-1 = off)."""
+    max_prompt_length: int = spec(1024, ge=1)
+    """Prompts longer than this many tokens are dropped (and counted)."""
+    max_response_length: int = spec(1024, ge=1)
+    """Maximum generated tokens per sample."""
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+    """Which log-probs vLLM returns: 'processed' = of logits/T (the sampling policy), 'raw' = of logits."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """Rollout servers share the trainer's GPUs (colocated) or run on their own nodes."""
+    nodes: int = spec(0, ge=0)
+    """Nodes dedicated to rollout servers when disaggregated (0 when colocated)."""
+    tensor_parallel_size: int = spec(1, ge=1)
+    """vLLM tensor parallel size per server."""
+    enable_expert_parallel: bool = False
+    """vLLM expert parallelism (EP = TP × DP inside the server)."""
+    data_parallel_size: int = spec(1, ge=1)
+    """vLLM data-parallel replicas per server."""
+    gpu_memory_utilization: float = spec(0.5, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may take (weights + KV cache)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs / torch.compile in vLLM (needed for exact fp32 tests on CPU)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """vLLM model dtype."""
+    host: str = "127.0.0.1"
+    """Address the rollout server binds to. Loopback by default: the update endpoints are privileged."""
+    port: int = spec(0, ge=0, le=65535)
+    """Server port; 0 = pick a free one."""
+    max_concurrency: int = spec(64, ge=1)
+    """Requests in flight per server from the async client."""
+    request_timeout_s: float = spec(600.0, gt=0.0)
+    """Per-request timeout."""
+    max_retries: int = spec(3, ge=0)
+    """Retries (with exponential back-off) of a failed request before the step fails."""
+    startup_timeout_s: float = spec(600.0, gt=0.0)
+    """How long to wait for the server's health endpoint."""
+    sync_bucket_mb: int = spec(512, ge=1)
+    """Weight-sync bucket size in MiB."""
+    verify_every: int = spec(1, ge=0)
+    """Verify the server's log-probs against the trainer's every N syncs (0 = never)."""
+    verify_tolerance: float = spec(1e-4, gt=0.0)
+    """Max |Δ log-prob| allowed by the post-sync verification."""
+    cpu_kvcache_gb: int = spec(1, ge=1)
+    """VLLM_CPU_KVCACHE_SPACE on CPU runs (GiB)."""
+
+
+@dataclass
+class ChordConfig:
+    mu_peak: float = spec(0.1, ge=0.0, le=1.0)
+    """Peak weight μ of the SFT loss."""
+    mu_valley: float = spec(0.01, ge=0.0, le=1.0)
+    """Final weight μ after the cosine decay."""
+    mu_warmup_steps: int = spec(0, ge=0)
+    """Linear warm-up steps of μ from 0 to mu_peak."""
+    mu_decay_steps: int = spec(500, ge=0)
+    """Cosine-decay steps from mu_peak to mu_valley."""
+    phi: bool = False
+    """Weight the SFT NLL per token by φ = p(1 − p) (CHORD-φ)."""
+    rl_objective: Literal["grpo", "gspo", "gspo_token"] = "grpo"
+    """Objective used for CHORD's RL part."""
+    sft_batch_size: int = spec(8, ge=1)
+    """Expert (SFT) sequences per optimizer step."""
+
+
+@dataclass
+class CorrectionConfig:
+    mode: Literal["none", "tis_token", "tis_seq", "mask_token", "mask_seq"] = "none"
+    """Rollout↔trainer mismatch correction: truncated IS weights or masking, per token or sequence."""
+    cap: float = spec(2.0, ge=1.0)
+    """Truncation cap C of the importance weight π_old/π_rollout (tis_*)."""
+    threshold: float = spec(2.0, ge=1.0)
+    """Ratios outside [1/threshold, threshold] are masked (mask_*)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["grpo", "gspo", "gspo_token", "chord"] = "grpo"
+    """Policy objective."""
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"
+    """Group advantage estimator: (r − mean)/(std + eps), or Dr.GRPO without the std division."""
+    mask_zero_variance_groups: bool = False
+    """Drop groups whose rewards are all equal (dynamic sampling); they carry no signal."""
+    clip_eps_low: float = spec(0.2, ge=0.0, lt=1.0)
+    """Lower clip ε: ratios below 1 − ε are clipped."""
+    clip_eps_high: float = spec(0.2, ge=0.0)
+    """Upper clip ε: ratios above 1 + ε are clipped."""
+    dual_clip_c: float | None = spec(None, gt=1.0)
+    """Dual-clip constant c (> 1) for negative advantages; None = off."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are aggregated (always against global denominators)."""
+    kl_beta: float = spec(0.0, ge=0.0)
+    """KL coefficient β to the reference model (0 = no KL)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (k3 = Schulman's low-variance estimator)."""
+    kl_in_reward: bool = False
+    """Apply the KL penalty to the reward instead of the loss."""
+    kl_clamp: float = spec(10.0, gt=0.0)
+    """Clamp of the per-token KL estimate (numerical safety)."""
+    entropy_coef: float = spec(0.0, ge=0.0)
+    """Entropy bonus coefficient."""
+    steps_per_generation: int = spec(1, ge=1)
+    """Optimizer steps per rollout batch (>1 makes the policy off-policy and the ratio ≠ 1)."""
+    correction: CorrectionConfig = spec(factory=CorrectionConfig)
+    """Rollout↔trainer log-prob mismatch correction."""
+    chord: ChordConfig = spec(factory=ChordConfig)
+    """CHORD settings (used when name is 'chord')."""
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = spec(None, path=True)
+    """RL prompts (JSONL of the project's prompt schema)."""
+    eval_path: str | None = spec(None, path=True)
+    """Held-out prompts for periodic evaluation."""
+    sft_path: str | None = spec(None, path=True)
+    """Expert demonstrations (SFT pairs JSONL) — required by CHORD."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded by trainer.seed and the epoch)."""
+    on_malformed: Literal["error", "skip"] = "error"
+    """A malformed JSONL line stops the run (error) or is skipped and counted (skip)."""
+
+
+@dataclass
+class RewardsConfig:
+    weights: dict[str, float] = spec(factory=lambda: {"mcq_answer": 1.0})
+    """Reward function name → weight; the sample's reward is the weighted sum."""
+
+
+@dataclass
+class TrainerConfig:
+    global_batch_size: int = spec(64, ge=1)
+    """Samples (completions) per optimizer step over all DP ranks."""
+    micro_batch_size: int = spec(1, ge=1)
+    """Samples per forward/backward on one rank."""
+    lr: float = spec(1e-6, gt=0.0)
+    """Peak learning rate."""
+    min_lr: float = spec(0.0, ge=0.0)
+    """Final learning rate of a cosine schedule."""
+    lr_warmup_ratio: float = spec(0.0, ge=0.0, le=1.0)
+    """Fraction of the total steps spent in linear warm-up."""
+    lr_decay_style: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    weight_decay: float = spec(0.0, ge=0.0)
+    """AdamW weight decay."""
+    adam_beta1: float = spec(0.9, ge=0.0, lt=1.0)
+    """AdamW β1."""
+    adam_beta2: float = spec(0.999, ge=0.0, lt=1.0)
+    """AdamW β2."""
+    adam_eps: float = spec(1e-8, gt=0.0)
+    """AdamW ε."""
+    clip_grad: float = spec(1.0, ge=0.0)
+    """Global gradient-norm clip (0 = off)."""
+    epochs: int = spec(1, ge=1)
+    """Passes over the prompt set."""
+    max_steps: int | None = spec(None, ge=1)
+    """Stop after this many rollout steps (None = run all epochs)."""
+    seed: int = 1234
+    """Seed for data order, sampling and initialization."""
+    max_bad_steps_in_row: int = spec(3, ge=1)
+    """NaN/Inf losses or grads in a row that stop the run (single ones are skipped and reported)."""
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = spec(0, ge=0)
+    """Checkpoint every N steps (0 = only at the end and on preemption)."""
+    keep_last: int = spec(2, ge=1)
+    """Checkpoints kept; older ones are deleted after a newer one is complete."""
+    export_hf: bool = True
+    """Write a Hugging Face export of the final weights into the run dir."""
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron async dist-checkpointing)."""
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "runs"
+    """Directory under which run dirs are created."""
+    run_name: str | None = None
+    """Run dir name; None = recipe name + timestamp."""
+    log_interval: int = spec(1, ge=1)
+    """Print a console line every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files (when tensorboard is installed)."""
+    wandb_project: str | None = None
+    """Log to Weights & Biases under this project (None = off)."""
+
+
+@dataclass
+class SlurmConfig:
+    partition: str | None = None
+    """Slurm partition (#SBATCH --partition)."""
+    account: str | None = None
+    """Slurm account (#SBATCH --account)."""
+    qos: str | None = None
+    """Slurm QOS."""
+    time_limit: str = "24:00:00"
+    """Wall-clock limit (#SBATCH --time)."""
+    job_name: str | None = None
+    """Job name; None = the recipe's name."""
+    cpus_per_task: int = spec(16, ge=1)
+    """CPUs per task."""
+    requeue: bool = True
+    """Requeue on preemption/node failure; the trainer resumes from its last checkpoint."""
+    signal_before_s: int = spec(300, ge=0)
+    """Seconds before the time limit at which SIGUSR1 asks the trainer to checkpoint and exit."""
+    master_port: int = spec(29500, ge=1, le=65535)
+    """torchrun rendezvous port on the first node."""
+    extra_sbatch: list[str] = spec(factory=list)
+    """Additional `#SBATCH` options, verbatim (e.g. '--exclusive')."""
+    env: dict[str, str] = spec(factory=dict)
+    """Environment for every task (NCCL/IB settings: NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...)."""
+
+
+@dataclass
+class ContainerConfig:
+    runtime: Literal["apptainer", "singularity", "none"] = "apptainer"
+    """Container runtime; 'none' runs the same commands on the host (CPU tests)."""
+    image: str | None = spec(None, path=True)
+    """Path of the .sif image."""
+    binds: list[str] = spec(factory=list)
+    """Bind mounts 'src[:dst[:opts]]'."""
+
+
+@dataclass
+class RecipeConfig:
+    name: str = "recipe"
+    """Recipe name (used for run dirs and job names)."""
+    model: ModelConfig = spec(factory=ModelConfig)
+    """The policy model."""
+    parallelism: ParallelismConfig = spec(factory=ParallelismConfig)
+    """Trainer parallel layout and memory options."""
+    rollout: RolloutConfig = spec(factory=RolloutConfig)
+    """vLLM rollout servers."""
+    algorithm: AlgorithmConfig = spec(factory=AlgorithmConfig)
+    """RL objective and its hyper-parameters."""
+    data: DataConfig = spec(factory=DataConfig)
+    """Datasets."""
+    rewards: RewardsConfig = spec(factory=RewardsConfig)
+    """Reward functions and weights."""
+    trainer: TrainerConfig = spec(factory=TrainerConfig)
+    """Optimization and the loop."""
+    checkpoint: CheckpointConfig = spec(factory=CheckpointConfig)
+    """Checkpointing."""
+    logging: LoggingConfig = spec(factory=LoggingConfig)
+    """Run dir and metrics sinks."""
+    slurm: SlurmConfig = spec(factory=SlurmConfig)
+    """Slurm submission."""
+    container: ContainerConfig = spec(factory=ContainerConfig)
+    """Container image and runtime."""

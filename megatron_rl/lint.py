@@ -1,0 +1,208 @@
+"""Cross-field recipe checks that catch mistakes seen in the field.
+
+Each rule is a function `(cfg, hf) -> list[Finding]` registered with `@rule`; `hf` is the model's
+HF config (or None when the recipe names no model). Findings are errors unless a rule marks them
+as warnings; `recipe validate` exits non-zero on any error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .config.schema import RecipeConfig
+from .model_config import ModelConfigError, num_experts, resolve_hf_config
+
+Level = Literal["error", "warning"]
+HF = dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: Level
+    rule: str
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level}: [{self.rule}] {self.key}: {self.message}"
+
+
+RuleFn = Callable[[RecipeConfig, HF], list[Finding]]
+RULES: dict[str, RuleFn] = {}
+
+SEQUENCE_RATIO_OBJECTIVES = ("gspo", "gspo_token")
+
+
+def rule(name: str) -> Callable[[RuleFn], RuleFn]:
+    def register(fn: RuleFn) -> RuleFn:
+        RULES[name] = fn
+        return fn
+    return register
+
+
+def rl_objective(cfg: RecipeConfig) -> str:
+    """The objective of the RL term (CHORD delegates to its `rl_objective`)."""
+    a = cfg.algorithm
+    return a.chord.rl_objective if a.name == "chord" else a.name
+
+
+def data_parallel_size(cfg: RecipeConfig) -> int:
+    p = cfg.parallelism
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    return max(1, (p.nodes * p.gpus_per_node) // model_parallel)
+
+
+@rule("gspo-never-clips")
+def _gspo_spg(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    if rl_objective(cfg) in SEQUENCE_RATIO_OBJECTIVES and cfg.algorithm.steps_per_generation == 1:
+        return [Finding("error", "gspo-never-clips", "algorithm.steps_per_generation",
+                        "GSPO with steps_per_generation 1 is on-policy: the sequence ratio is always 1 "
+                        "and the clip never acts; use >= 2 (the published setup uses 3)")]
+    return []
+
+
+@rule("sequence-ratio-eps")
+def _seq_eps(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    a = cfg.algorithm
+    eps = max(a.clip_eps_low, a.clip_eps_high)
+    if rl_objective(cfg) in SEQUENCE_RATIO_OBJECTIVES and eps >= 0.01:
+        return [Finding("warning", "sequence-ratio-eps", "algorithm.clip_eps_high",
+                        f"a sequence-level ratio with clip ε {eps:g} >= 0.01 almost never clips; "
+                        "GSPO's paper uses 3e-4 / 4e-4")]
+    return []
+
+
+@rule("kl-needs-reference")
+def _kl_reference(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    a, m = cfg.algorithm, cfg.model
+    wants_kl = a.kl_beta > 0
+    out: list[Finding] = []
+    if wants_kl and m.reference == "none":
+        out.append(Finding("error", "kl-needs-reference", "model.reference",
+                           f"algorithm.kl_beta is {a.kl_beta:g} but model.reference is 'none'; "
+                           "set model.reference to 'init' or 'path'"))
+    if m.reference == "path" and not m.reference_path:
+        out.append(Finding("error", "kl-needs-reference", "model.reference_path",
+                           "model.reference is 'path' but model.reference_path is not set"))
+    if a.kl_in_reward and a.kl_beta == 0:
+        out.append(Finding("warning", "kl-needs-reference", "algorithm.kl_in_reward",
+                           "kl_in_reward is set but kl_beta is 0: no KL penalty is applied"))
+    return out
+
+
+@rule("chord-needs-sft-data")
+def _chord_sft(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    if cfg.algorithm.name == "chord" and not cfg.data.sft_path:
+        return [Finding("error", "chord-needs-sft-data", "data.sft_path",
+                        "CHORD mixes in an SFT loss on expert data; set data.sft_path")]
+    return []
+
+
+def _divides(key: str, divisor: int, total: int, what: str) -> list[Finding]:
+    if divisor and total % divisor:
+        return [Finding("error", "parallel-sizes", key, f"{divisor} does not divide {what} ({total})")]
+    return []
+
+
+@rule("parallel-sizes")
+def _parallel(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    p = cfg.parallelism
+    world = p.nodes * p.gpus_per_node
+    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.context_parallel_size, p.expert_model_parallel_size)
+    etp = p.expert_tensor_parallel_size or tp
+    out = _divides("parallelism.tensor_model_parallel_size", tp * pp * cp, world,
+                   "the world size nodes × gpus_per_node (TP × PP × CP must divide it)")
+    out += _divides("parallelism.expert_model_parallel_size", ep * etp, world // pp,
+                    "world size / PP (EP × ETP must divide it)")
+    if hf is not None:
+        out += _divides("parallelism.tensor_model_parallel_size", tp,
+                        int(hf.get("num_attention_heads", tp)), "the model's num_attention_heads")
+        out += _divides("parallelism.tensor_model_parallel_size", tp,
+                        int(hf.get("num_key_value_heads", hf.get("num_attention_heads", tp))),
+                        "the model's num_key_value_heads (Megatron's query groups)")
+        out += _divides("parallelism.pipeline_model_parallel_size", pp,
+                        int(hf.get("num_hidden_layers", pp)), "the model's num_hidden_layers")
+        experts = num_experts(hf)
+        if experts:
+            out += _divides("parallelism.expert_model_parallel_size", ep, experts, "the model's num_experts")
+            if tp > 1 and not p.sequence_parallel:
+                out.append(Finding("error", "parallel-sizes", "parallelism.sequence_parallel",
+                                   "Megatron requires sequence_parallel with TP > 1 on MoE models"))
+        elif ep > 1:
+            out.append(Finding("error", "parallel-sizes", "parallelism.expert_model_parallel_size",
+                               f"expert parallelism {ep} on a dense model"))
+    return out
+
+
+@rule("batch-sizes")
+def _batch(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    t, r = cfg.trainer, cfg.rollout
+    dp = data_parallel_size(cfg)
+    out: list[Finding] = []
+    if t.global_batch_size % (dp * t.micro_batch_size):
+        out.append(Finding("error", "batch-sizes", "trainer.global_batch_size",
+                           f"{t.global_batch_size} is not divisible by DP × micro_batch_size "
+                           f"= {dp} × {t.micro_batch_size}"))
+    rollout_batch = t.global_batch_size * cfg.algorithm.steps_per_generation
+    if rollout_batch % r.n:
+        out.append(Finding("error", "batch-sizes", "rollout.n",
+                           f"{r.n} generations per prompt do not divide the rollout batch "
+                           f"global_batch_size × steps_per_generation = {rollout_batch}"))
+    return out
+
+
+@rule("rollout-placement")
+def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    r = cfg.rollout
+    if r.placement == "disaggregated" and r.nodes == 0:
+        return [Finding("error", "rollout-placement", "rollout.nodes",
+                        "disaggregated rollout needs rollout.nodes >= 1")]
+    if r.placement == "colocated" and r.nodes:
+        return [Finding("error", "rollout-placement", "rollout.nodes",
+                        f"rollout.nodes is {r.nodes} but placement is 'colocated' (set it to 0)")]
+    return []
+
+
+@rule("reward-names")
+def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    from .rewards.registry import available_rewards
+
+    known = available_rewards()
+    return [Finding("error", "reward-names", f"rewards.weights.{name}",
+                    f"unknown reward function; allowed: {', '.join(sorted(known))}")
+            for name in cfg.rewards.weights if name not in known]
+
+
+def missing_paths(cfg: Any, prefix: str = "") -> list[Finding]:
+    """Every path-typed field (schema `spec(path=True)`) that is set but does not exist."""
+    out: list[Finding] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out += missing_paths(value, key + ".")
+        elif f.metadata.get("path") and isinstance(value, str) and not Path(value).exists():
+            out.append(Finding("error", "missing-file", key, f"no such file or directory: {value}"))
+    return out
+
+
+def lint(cfg: RecipeConfig, check_paths: bool = True) -> list[Finding]:
+    """Run every rule. A model config that cannot be read is itself a finding.
+
+    `check_paths=False` skips existence checks, for recipes whose paths live on a cluster.
+    """
+    findings: list[Finding] = missing_paths(cfg) if check_paths else []
+    try:
+        hf = resolve_hf_config(cfg.model) if check_paths or not cfg.model.hf_config or \
+            Path(cfg.model.hf_config).exists() else None
+    except ModelConfigError as exc:
+        findings.append(Finding("error", "model-config", "model.hf_config", str(exc)))
+        hf = None
+    for fn in RULES.values():
+        findings.extend(fn(cfg, hf))
+    return findings

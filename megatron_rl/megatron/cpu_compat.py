@@ -1,0 +1,200 @@
+"""Every patch megatron-core 0.19 needs to run on a machine without CUDA — and nothing else.
+
+Applied once, only when CUDA is absent (`apply()` is a no-op on GPU machines). Each patch names the
+symbol it replaces in `PATCHED_SYMBOLS`; `tests/test_cpu_compat.py` fails loudly when one of them
+disappears after a megatron-core upgrade, because a silently skipped patch would surface as a
+CUDA error deep inside a training step. The measured list is in ../shared/notes/megatron-core-on-cpu.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# (module, attribute) pairs that the patches below replace or rely on.
+PATCHED_SYMBOLS: tuple[tuple[str, str], ...] = (
+    ("megatron.core.transformer.moe.paged_stash", "paged_stash_copy_kernel"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu"),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
+    ("megatron.core.transformer.torch_norm", "WrappedTorchNorm"),
+)
+PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
+
+_applied = False
+
+
+def cuda_absent() -> bool:
+    return not torch.cuda.is_available()
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA placements to CPU inside megatron-core's hard-coded factories.
+
+    megatron-core allocates flags and buffers with `device='cuda'`, calls `.cuda()` and asserts
+    `grad.type() == 'torch.cuda.FloatTensor'`; one mode covers all of those without editing
+    megatron's source. Only calls that mention CUDA are touched.
+    """
+
+    def __torch_function__(self, func: Callable, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not args[0].is_cuda else name
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _NoStream:
+    """Stand-in for torch.cuda.Stream / Event: CPU work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        # record_event() must return something with synchronize(), so every call chains.
+        return lambda *a, **k: _NoStream()
+
+    def __enter__(self) -> _NoStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _stub_triton_kernels() -> None:
+    """The paged-stash ops import triton at module level; they are GPU kernels never used on CPU."""
+    if PAGED_STASH_OPS in sys.modules:
+        return
+    stub = types.ModuleType(PAGED_STASH_OPS)
+    stub.GLOBAL_BLOCK_SIZE = 0
+
+    def _unavailable(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("paged-stash triton kernels are not available on CPU")
+
+    stub.paged_stash_copy_kernel = _unavailable
+    stub.paged_stash_pop_kernel = _unavailable
+    sys.modules[PAGED_STASH_OPS] = stub
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.Stream = _NoStream
+    cuda.Event = _NoStream
+    cuda.synchronize = lambda *a, **k: None
+    cuda.current_stream = lambda *a, **k: _NoStream()
+    cuda.default_stream = lambda *a, **k: _NoStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    # The "CUDA" RNG of megatron's tracker becomes the CPU default generator. Not torch.manual_seed:
+    # that calls torch.cuda.manual_seed_all, which would recurse into this patch.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+
+
+def _patch_megatron() -> None:
+    rnd = importlib.import_module("megatron.core.tensor_parallel.random")
+    rnd._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    rnd._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    # With one generator for "CPU" and "CUDA", the tracker's "CPU RNG changed" warning is always true.
+    logging.getLogger(rnd.__name__).setLevel(logging.ERROR)
+
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        # The original converts only CUDA tensors, so on CPU split sizes stay tensors and
+        # all_to_all_single rejects them.
+        if torch.is_tensor(tensor):
+            return tensor.numpy() if as_numpy else tensor
+        return tensor
+
+    for module in ("megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"):
+        setattr(importlib.import_module(module), "maybe_move_tensor_to_cpu", move_to_cpu)
+    # WrappedTorchNorm asserts against sequence parallelism and zero-centred gamma.
+    norm = importlib.import_module("megatron.core.transformer.torch_norm")
+    norm.WrappedTorchNorm.__new__ = _wrapped_norm_new
+
+
+class LocalRMSNorm(torch.nn.Module):
+    """RMSNorm for the local (non-TE) spec, with what WrappedTorchNorm refuses on CPU.
+
+    Sequence parallelism: the weight is tagged `sequence_parallel` so that megatron all-reduces
+    its gradient over TP (each rank only saw its slice of the sequence). Zero-centred gamma
+    (Qwen3-Next): y = x̂ · (1 + w), w initialised to 0.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, zero_centered: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        init = torch.zeros if zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
+        setattr(self.weight, "sequence_parallel", sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        gamma = (1.0 + self.weight.float()) if self.zero_centered else self.weight.float()
+        return (normed * gamma).to(dtype)
+
+
+def _wrapped_norm_new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any,
+                      **kwargs: Any) -> torch.nn.Module:
+    if config.normalization != "RMSNorm":
+        raise NotImplementedError(f"CPU local spec supports RMSNorm only, not {config.normalization}")
+    return LocalRMSNorm(hidden_size, eps, bool(config.sequence_parallel),
+                        bool(config.layernorm_zero_centered_gamma), config.params_dtype)
+
+
+def check_patched_symbols() -> list[str]:
+    """Names in PATCHED_SYMBOLS that no longer exist upstream (empty = all present)."""
+    missing = []
+    for module, attr in PATCHED_SYMBOLS:
+        try:
+            if not hasattr(importlib.import_module(module), attr):
+                missing.append(f"{module}.{attr}")
+        except ImportError as exc:
+            missing.append(f"{module} ({exc})")
+    return missing
+
+
+def apply() -> bool:
+    """Patch torch.cuda and megatron-core for CPU; returns True when patches were applied."""
+    global _applied
+    if _applied:
+        return True
+    if not cuda_absent():
+        return False
+    _stub_triton_kernels()
+    _patch_torch_cuda()
+    _patch_megatron()
+    _CudaToCpu().__enter__()   # process-wide: megatron allocates on "cuda" everywhere
+    _applied = True
+    return True

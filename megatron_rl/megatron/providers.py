@@ -1,0 +1,192 @@
+"""Model providers: a Megatron-core GPTModel built from a Hugging Face `config.json`.
+
+One provider per HF architecture, chosen through a registry keyed by `architectures[0]`.
+Transformer-Engine specs are used when TE is importable and CUDA is present; otherwise the local
+(pure-torch) spec, which runs on CPU with `cpu_compat` applied.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..model_config import head_dim, num_experts, rope_theta
+from . import cpu_compat
+
+cpu_compat.apply()
+
+from megatron.core import parallel_state  # noqa: E402  (after the CPU patches)
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The Megatron parallel sizes a model is built for (names as in Megatron-LM)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
+
+
+def use_transformer_engine() -> bool:
+    """TE specs need both the package and a GPU."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+ProviderFn = Callable[[dict[str, Any], ParallelLayout, torch.dtype], "ModelRecipe"]
+PROVIDERS: dict[str, ProviderFn] = {}
+
+
+def provider(architecture: str) -> Callable[[ProviderFn], ProviderFn]:
+    def register(fn: ProviderFn) -> ProviderFn:
+        PROVIDERS[architecture] = fn
+        return fn
+    return register
+
+
+@dataclass
+class ModelRecipe:
+    """Everything needed to instantiate the GPTModel of one pipeline stage."""
+
+    config: TransformerConfig
+    layer_spec: Any
+    vocab_size: int
+    max_sequence_length: int
+    rotary_base: float
+    tie_word_embeddings: bool
+
+
+def architecture_of(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise ValueError("the model config has no 'architectures' entry")
+    if archs[0] not in PROVIDERS:
+        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(PROVIDERS))}")
+    return archs[0]
+
+
+def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> dict[str, Any]:
+    """TransformerConfig fields shared by the Qwen3 family."""
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        kv_channels=head_dim(hf),
+        ffn_hidden_size=hf.get("intermediate_size", 4 * hf["hidden_size"]),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        qk_layernorm=True,
+        add_bias_linear=False,
+        add_qkv_bias=bool(hf.get("attention_bias", False)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        init_method_std=hf.get("initializer_range", 0.02),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        # Our losses are already divided by global denominators: Megatron must only sum.
+        calculate_per_token_loss=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size or layout.tensor_model_parallel_size,
+        sequence_parallel=layout.sequence_parallel,
+    )
+
+
+def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
+    num_layers = hf["num_hidden_layers"]
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense_layers = set(hf.get("mlp_only_layers") or [])
+    freq = [int((i + 1) % step == 0 and i not in dense_layers) for i in range(num_layers)]
+    return dict(
+        num_moe_experts=num_experts(hf),
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_layer_freq=freq,
+        moe_router_score_function="softmax",
+        # HF: softmax over all experts, top-k, renormalise when norm_topk_prob. Megatron's
+        # top-k-then-softmax equals that renormalised form; pre_softmax is the unnormalised one.
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+    )
+
+
+def _local_or_te_spec(num_experts: int | None) -> Any:
+    if use_transformer_engine():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=True)
+    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
+
+
+def _recipe(hf: dict[str, Any], config: TransformerConfig, spec: Any) -> ModelRecipe:
+    return ModelRecipe(
+        config=config,
+        layer_spec=spec,
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        rotary_base=rope_theta(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+@provider("Qwen3ForCausalLM")
+def qwen3_dense(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+    config = TransformerConfig(**_common_config(hf, layout, dtype))
+    return _recipe(hf, config, _local_or_te_spec(None))
+
+
+@provider("Qwen3MoeForCausalLM")
+def qwen3_moe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+    config = TransformerConfig(**_common_config(hf, layout, dtype), **_moe_config(hf, layout))
+    return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
+
+
+def build_model_recipe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+    return PROVIDERS[architecture_of(hf)](hf, layout, dtype)
+
+
+def build_gpt_model(recipe: ModelRecipe, vp_stage: int | None = None) -> GPTModel:
+    """The GPTModel of this rank's pipeline stage (parallel_state must be initialised)."""
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    return GPTModel(
+        config=recipe.config,
+        transformer_layer_spec=recipe.layer_spec,
+        vocab_size=recipe.vocab_size,
+        max_sequence_length=recipe.max_sequence_length,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=recipe.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=recipe.rotary_base,
+        vp_stage=vp_stage,
+    )

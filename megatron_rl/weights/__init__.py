@@ -1,0 +1,1 @@
+"""HF ↔ Megatron weights: one adapter per HF architecture, shared by conversion and weight sync."""

@@ -1,0 +1,134 @@
+"""The weight map: HF tensor names ↔ full (unsharded) Megatron-core tensor names.
+
+An adapter lists, per architecture, `Entry`s: one Megatron tensor made from one or more HF tensors
+(`merge`) and split back (`split`). Names here are *global and unsharded*: layer numbers count over
+all pipeline stages and expert numbers over all expert-parallel ranks; `sharding.py` maps them to
+one rank's local parameters. The same entries serve checkpoint conversion and weight sync, so a
+mapping bug cannot hide in one path only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+Merge = Callable[[list[Tensor]], Tensor]
+Split = Callable[[Tensor], list[Tensor]]
+
+
+def _one(ts: list[Tensor]) -> Tensor:
+    return ts[0]
+
+
+def _unone(t: Tensor) -> list[Tensor]:
+    return [t]
+
+
+def cat_rows(ts: list[Tensor]) -> Tensor:
+    """gate/up → Megatron's fused linear_fc1 = [gate; up]."""
+    return torch.cat(ts, dim=0)
+
+
+def split_rows(parts: int) -> Split:
+    return lambda t: list(torch.chunk(t, parts, dim=0))
+
+
+@dataclass(frozen=True)
+class Entry:
+    mcore: str
+    hf: tuple[str, ...]
+    layer: int | None = None
+    """Global layer index, or None for embeddings/final norm/output (streamed first/last)."""
+    merge: Merge = _one
+    split: Split = _unone
+
+
+def qkv_merge(num_heads: int, num_groups: int, head_dim: int) -> tuple[Merge, Split]:
+    """q/k/v → Megatron's linear_qkv, grouped by query group: [q_g (heads/group), k_g, v_g] per group.
+
+    The grouping is what lets Megatron split the fused tensor over TP with a contiguous slice.
+    """
+    per_group = num_heads // num_groups
+
+    def merge(ts: list[Tensor]) -> Tensor:
+        q, k, v = ts
+        tail = q.shape[1:]
+        q = q.reshape(num_groups, per_group * head_dim, *tail)
+        k = k.reshape(num_groups, head_dim, *tail)
+        v = v.reshape(num_groups, head_dim, *tail)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+    def split(t: Tensor) -> list[Tensor]:
+        tail = t.shape[1:]
+        g = t.reshape(num_groups, (per_group + 2) * head_dim, *tail)
+        q, k, v = torch.split(g, [per_group * head_dim, head_dim, head_dim], dim=1)
+        return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+
+    return merge, split
+
+
+@dataclass
+class WeightAdapter:
+    """Entries for one concrete HF config of an architecture."""
+
+    hf_config: dict[str, Any]
+    entries: list[Entry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._by_mcore = {e.mcore: e for e in self.entries}
+        self._by_hf = {name: e for e in self.entries for name in e.hf}
+
+    def entry_for_mcore(self, name: str) -> Entry:
+        try:
+            return self._by_mcore[name]
+        except KeyError:
+            raise KeyError(f"no weight-map entry for Megatron tensor {name!r}") from None
+
+    def entry_for_hf(self, name: str) -> Entry | None:
+        return self._by_hf.get(name)
+
+    def hf_names(self) -> list[str]:
+        return [n for e in self.entries for n in e.hf]
+
+    def to_mcore(self, entry: Entry, hf_tensors: dict[str, Tensor]) -> Tensor:
+        return entry.merge([hf_tensors[n] for n in entry.hf])
+
+    def to_hf(self, entry: Entry, tensor: Tensor) -> Iterator[tuple[str, Tensor]]:
+        parts = entry.split(tensor)
+        if len(parts) != len(entry.hf):
+            raise ValueError(f"{entry.mcore}: split into {len(parts)} tensors, expected {len(entry.hf)}")
+        yield from zip(entry.hf, parts)
+
+    def layers(self) -> list[int | None]:
+        """Stream order: global tensors first, then one layer at a time."""
+        seen: list[int | None] = []
+        for e in self.entries:
+            if e.layer not in seen:
+                seen.append(e.layer)
+        return seen
+
+
+AdapterFn = Callable[[dict[str, Any]], WeightAdapter]
+ADAPTERS: dict[str, AdapterFn] = {}
+
+
+def register_adapter(*architectures: str) -> Callable[[AdapterFn], AdapterFn]:
+    def register(fn: AdapterFn) -> AdapterFn:
+        for arch in architectures:
+            ADAPTERS[arch] = fn
+        return fn
+    return register
+
+
+def adapter_for(hf_config: dict[str, Any]) -> WeightAdapter:
+    """The adapter for `hf_config['architectures'][0]`."""
+    from . import qwen3  # noqa: F401  (registers the Qwen3 family)
+
+    archs = hf_config.get("architectures") or []
+    if not archs or archs[0] not in ADAPTERS:
+        raise ValueError(f"no weight map for architecture {archs[:1]}; supported: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[archs[0]](hf_config)

@@ -1,0 +1,160 @@
+"""One rank's Megatron parameters ↔ the adapter's global, unsharded tensors.
+
+Local names count layers within the pipeline stage and experts within the expert-parallel rank;
+global names count over the whole model. Tensor parallelism splits along the parameter's
+`partition_dim`; Megatron's fused gate/up (`linear_fc1` under a gated linear unit) is split per
+half, so each rank holds [gate_r; up_r], never a contiguous slice of [gate; up].
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+@dataclass
+class LocalParam:
+    local_name: str
+    global_name: str
+    param: torch.Tensor
+    layer: int | None
+    is_expert: bool
+    tp_dim: int | None
+    glu: bool
+
+    @property
+    def tp_group(self) -> Any:
+        return ps.get_expert_tensor_parallel_group() if self.is_expert else ps.get_tensor_model_parallel_group()
+
+    @property
+    def tp_size(self) -> int:
+        return dist.get_world_size(self.tp_group) if self.tp_dim is not None else 1
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group) if self.tp_dim is not None else 0
+
+    def owns(self) -> bool:
+        """One rank per global tensor writes it: TP rank 0 of data-parallel rank 0."""
+        if self.is_expert:
+            dp_rank = ps.get_expert_data_parallel_rank()
+        else:
+            dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        return dp_rank == 0 and self.tp_rank == 0
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def local_params(model: torch.nn.Module) -> list[LocalParam]:
+    """This rank's parameters with their global names and sharding."""
+    model = unwrap(model)
+    config = model.config
+    out = []
+    for name, param in model.named_parameters():
+        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            continue   # a copy of the embedding on the last stage, not a weight of its own
+        layer = None
+        global_name = name
+        m = _LAYER.match(name)
+        if m:
+            local = int(m.group(1))
+            layer = model.decoder.layers[local].layer_number - 1
+            global_name = f"decoder.layers.{layer}." + name[m.end():]
+        e = _EXPERT.search(global_name)
+        if e:
+            num_local = config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+            expert = ps.get_expert_model_parallel_rank() * num_local + int(e.group(1))
+            global_name = global_name[:e.start()] + f".local_experts.{expert}." + global_name[e.end():]
+        tp_dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+        glu = bool(config.gated_linear_unit) and global_name.endswith("linear_fc1.weight")
+        out.append(LocalParam(name, global_name, param, layer, e is not None, tp_dim, glu))
+    return out
+
+
+def shard(full: torch.Tensor, p: LocalParam) -> torch.Tensor:
+    """This rank's slice of a full tensor."""
+    if p.tp_dim is None or p.tp_size == 1:
+        return full
+    if p.glu:
+        return torch.cat([h.chunk(p.tp_size, p.tp_dim)[p.tp_rank] for h in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(p.tp_size, p.tp_dim)[p.tp_rank]
+
+
+def unshard(p: LocalParam) -> torch.Tensor:
+    """The full tensor, gathered over the parameter's TP group (collective over that group)."""
+    local = p.param.detach()
+    if p.tp_dim is None or p.tp_size == 1:
+        return local.clone()
+    parts = [torch.empty_like(local) for _ in range(p.tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=p.tp_group)
+    if p.glu:
+        halves = [t.chunk(2, dim=0) for t in parts]
+        return torch.cat([torch.cat([h[i] for h in halves], dim=p.tp_dim) for i in range(2)], dim=0)
+    return torch.cat(parts, dim=p.tp_dim)
+
+
+def load_full_tensors(model: torch.nn.Module, get_full: Callable[[str], torch.Tensor]) -> list[str]:
+    """Copy `get_full(global_name)` (sharded for this rank) into every local parameter.
+
+    Shape mismatches raise with the tensor's name; returns the global names loaded.
+    """
+    loaded = []
+    with torch.no_grad():
+        for p in local_params(model):
+            piece = shard(get_full(p.global_name), p)
+            if tuple(piece.shape) != tuple(p.param.shape):
+                raise ValueError(f"{p.global_name}: checkpoint shard has shape {tuple(piece.shape)}, "
+                                 f"model expects {tuple(p.param.shape)} (TP {p.tp_size})")
+            p.param.copy_(piece.to(p.param.dtype))
+            loaded.append(p.global_name)
+    return loaded
+
+
+def iter_owned_full_tensors(model: torch.nn.Module) -> Iterator[tuple[LocalParam, torch.Tensor]]:
+    """Full tensors of this rank's parameters; collective over TP groups, so every rank must call it.
+
+    Yields on every rank; callers keep only `p.owns()` to write each global tensor once.
+    """
+    for p in local_params(model):
+        yield p, unshard(p)
+
+
+def gather_to_rank0(model: torch.nn.Module, layers: list[int | None]) -> Iterator[dict[str, torch.Tensor]]:
+    """Per layer (global order), all global tensors collected on global rank 0 ({} elsewhere).
+
+    Each rank contributes the tensors it owns; one gather per layer keeps the peak at one layer.
+    """
+    by_layer: dict[int | None, list[LocalParam]] = {}
+    for p in local_params(model):
+        by_layer.setdefault(p.layer, []).append(p)
+    world_rank = dist.get_rank()
+    for layer in layers:
+        mine = {}
+        for p in by_layer.get(layer, []):
+            full = unshard(p)
+            if p.owns():
+                mine[p.global_name] = full
+        gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] \
+            if world_rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if world_rank == 0:
+            merged: dict[str, torch.Tensor] = {}
+            for part in gathered or []:
+                merged.update(part)
+            yield merged
+        else:
+            yield {}

@@ -1,0 +1,32 @@
+"""Shared pytest set-up: GPU tests are skipped (with the reason) when CUDA is absent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = REPO_ROOT.parent / "shared"
+IGAKUQA_DIR = SHARED / "data" / "igakuqa"
+
+# Two cores: keep each test process from oversubscribing them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
