@@ -27,6 +27,7 @@ PATCHED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu"),
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
     ("megatron.core.transformer.torch_norm", "WrappedTorchNorm"),
+    ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "_set_main_param_and_optimizer_states"),
 )
 PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -135,6 +136,7 @@ def _patch_megatron() -> None:
 
     for module in ("megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"):
         setattr(importlib.import_module(module), "maybe_move_tensor_to_cpu", move_to_cpu)
+    _patch_optimizer_state_loading()
     # WrappedTorchNorm asserts against sequence parallelism and zero-centred gamma.
     norm = importlib.import_module("megatron.core.transformer.torch_norm")
     norm.WrappedTorchNorm.__new__ = _wrapped_norm_new
@@ -173,14 +175,39 @@ def _wrapped_norm_new(cls: type, config: Any, hidden_size: int, eps: float = 1e-
                         bool(config.layernorm_zero_centered_gamma), config.params_dtype)
 
 
+class _MissingIsNone(dict):
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+def _patch_optimizer_state_loading() -> None:
+    """torch.optim.Adam (used without TE/apex) keeps a per-parameter `step` tensor that the
+    fully-reshardable loader does not ship (it restores `step` separately) and then looks up;
+    a missing entry must mean "skip", as it does for non-tensor entries."""
+    module = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    cls = module.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
+        return original(self, model_param, _MissingIsNone(tensors))
+
+    cls._set_main_param_and_optimizer_states = set_states
+
+
 def check_patched_symbols() -> list[str]:
     """Names in PATCHED_SYMBOLS that no longer exist upstream (empty = all present)."""
     missing = []
     for module, attr in PATCHED_SYMBOLS:
+        owner_name = None
+        if module.rsplit(".", 1)[-1][:1].isupper():      # "pkg.module.Class"
+            module, owner_name = module.rsplit(".", 1)
         try:
-            if not hasattr(importlib.import_module(module), attr):
+            owner = importlib.import_module(module)
+            if owner_name is not None:
+                owner = getattr(owner, owner_name)
+            if not hasattr(owner, attr):
                 missing.append(f"{module}.{attr}")
-        except ImportError as exc:
+        except (ImportError, AttributeError) as exc:
             missing.append(f"{module} ({exc})")
     return missing
 

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 
+from ..megatron.actor import unwrap
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
@@ -51,12 +53,6 @@ class LocalParam:
         else:
             dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         return dp_rank == 0 and self.tp_rank == 0
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def local_params(model: torch.nn.Module) -> list[LocalParam]:

@@ -1,0 +1,100 @@
+"""`megatron-rl eval igakuqa|compare ...`: score predictions, compare two systems.
+
+`eval igakuqa --pred FILE_OR_DIR --gold DIR [--system NAME] [--json]` prints the report as
+markdown tables (or JSON). `eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR]
+[--json]` prints McNemar tables and, with --out, writes compare.md, compare.json and
+category_delta.png there. Bad input exits 1 with one `error: <file>:<line>: <problem>` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("eval", help="score predictions on medical benchmarks")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    igaku = verbs.add_parser("igakuqa", help="IgakuQA report (official scoring rule)")
+    igaku.add_argument("--pred", required=True,
+                       help="prediction JSONL file, or a directory of "
+                            "<exam>-<block>_<system>.jsonl files")
+    igaku.add_argument("--gold", required=True, help="IgakuQA directory (checkout or its data/)")
+    igaku.add_argument("--system", default=None, help="system to read from a directory")
+    igaku.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    igaku.set_defaults(func=run_igakuqa)
+
+    comp = verbs.add_parser("compare", help="compare two prediction sets (exact McNemar)")
+    comp.add_argument("a", help="predictions A (file or directory)")
+    comp.add_argument("b", help="predictions B (file or directory)")
+    comp.add_argument("--gold", required=True, help="IgakuQA directory (checkout or its data/)")
+    comp.add_argument("--system-a", default=None, help="system to read from A's directory")
+    comp.add_argument("--system-b", default=None, help="system to read from B's directory")
+    comp.add_argument("--out", default=None,
+                      help="directory for compare.md, compare.json and category_delta.png")
+    comp.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    comp.set_defaults(func=run_compare)
+
+
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, ensure_ascii=False, indent=2)
+    sys.stdout.write("\n")
+
+
+def run_igakuqa(args: argparse.Namespace) -> int:
+    from megatron_rl.data.igakuqa import load_igakuqa
+    from megatron_rl.data.schema import DataError
+    from megatron_rl.eval.igakuqa_report import build_report, evaluate, render_markdown
+    from megatron_rl.eval.scoring import load_predictions
+
+    try:
+        gold = load_igakuqa(args.gold).by_id()
+        predictions = load_predictions(args.pred, args.system)
+        report = build_report(evaluate(gold, predictions), predictions.system)
+    except (DataError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(report)
+    else:
+        sys.stdout.write(render_markdown(report))
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_rl.data.igakuqa import load_igakuqa
+    from megatron_rl.data.schema import DataError
+    from megatron_rl.eval.compare import compare_results, plot_category_deltas, render_markdown
+    from megatron_rl.eval.igakuqa_report import evaluate
+    from megatron_rl.eval.scoring import load_predictions
+
+    try:
+        gold = load_igakuqa(args.gold).by_id()
+        pred_a = load_predictions(args.a, args.system_a)
+        pred_b = load_predictions(args.b, args.system_b)
+        comparison = compare_results(evaluate(gold, pred_a), evaluate(gold, pred_b),
+                                     pred_a.system, pred_b.system)
+    except (DataError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if comparison["overall"]["n"] == 0:
+        print("error: the two prediction sets share no IgakuQA exam block", file=sys.stderr)
+        return 1
+    markdown = render_markdown(comparison)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(markdown, encoding="utf-8")
+        (out / "compare.json").write_text(json.dumps(comparison, ensure_ascii=False, indent=2)
+                                          + "\n", encoding="utf-8")
+        plot_category_deltas(comparison, out / "category_delta.png")
+    if args.json:
+        _print_json(comparison)
+    else:
+        sys.stdout.write(markdown)
+    return 0

@@ -1,0 +1,66 @@
+"""`megatron-rl plan RECIPE [key.path=value ...] [--nodes N] [--gpus-per-node G] [--gpu-memory-gb M]
+[--json]`: per-GPU memory of the recipe's layout, the verdict, and layouts that fit.
+
+Exit status: 0 the recipe's layout fits, 2 it does not (the output suggests layouts that do),
+1 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EXIT_DOES_NOT_FIT = 2
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="per-GPU memory of a recipe's layout; layouts that fit",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="recipe YAML file")
+    p.add_argument("overrides", nargs="*",
+                   help="dotted overrides, e.g. parallelism.pipeline_model_parallel_size=2")
+    p.add_argument("--nodes", type=int, help="trainer nodes (overrides parallelism.nodes)")
+    p.add_argument("--gpus-per-node", type=int,
+                   help="GPUs per node (overrides parallelism.gpus_per_node)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                   help="memory of one GPU in GB (default 80)")
+    p.add_argument("--suggestions", type=int, default=5,
+                   help="how many fitting layouts to list (default 5)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=run)
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = [] if args.nodes is None else [f"parallelism.nodes={args.nodes}"]
+    if args.gpus_per_node is not None:
+        extra.append(f"parallelism.gpus_per_node={args.gpus_per_node}")
+    return list(args.overrides) + extra
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import ConfigError, load_recipe
+    from ..model_config import ModelConfigError, resolve_hf_config
+    from ..planner import PlannerError
+    from ..planner.memory import Hardware
+    from ..planner.plan import plan
+    from ..planner.report import render, to_json
+
+    try:
+        if args.gpu_memory_gb <= 0 or args.suggestions < 0:
+            raise PlannerError("--gpu-memory-gb must be > 0 and --suggestions >= 0")
+        cfg = load_recipe(args.path, _overrides(args))
+        hf = resolve_hf_config(cfg.model)
+        if hf is None:
+            raise PlannerError(f"{args.path}: the recipe names no model (model.hf_config or model.tiny)")
+        result = plan(cfg, hf, Hardware(cfg.parallelism.gpus_per_node, args.gpu_memory_gb),
+                      args.suggestions)
+    except ConfigError as exc:
+        print(f"error: invalid recipe {args.path}: " + "; ".join(str(p) for p in exc.problems),
+              file=sys.stderr)
+        return 1
+    except (ModelConfigError, PlannerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(json.dumps(to_json(result), indent=2) + "\n" if args.json else render(result))
+    return 0 if result.estimate.fits else EXIT_DOES_NOT_FIT

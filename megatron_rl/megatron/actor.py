@@ -1,0 +1,257 @@
+"""The Megatron-core actor: model chunks + DDP + DistributedOptimizer + LR schedule, driven through
+`get_forward_backward_func` with the RL objective as the loss.
+
+Loss contract: each micro-batch's loss is its *sum* divided by the global denominators of the whole
+optimizer step (all micro-batches, all DP ranks), so Megatron must neither average over
+micro-batches nor over DP: `calculate_per_token_loss=True` turns the schedule's division off and
+makes DDP sum gradients, and `finalize_model_grads` is called without a token count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..logprobs import vocab_parallel_logprobs
+from ..objectives import (
+    LossInputs,
+    ObjectiveConfig,
+    all_reduce_metrics,
+    combine_metrics,
+    denominators_from_masks,
+    finalize_metrics,
+    get_objective,
+)
+from ..types import TrainBatch
+from .providers import ModelRecipe, ParallelLayout, build_gpt_model
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1
+    decay_style: str = "constant"
+
+
+def init_parallel(layout: ParallelLayout, seed: int) -> None:
+    """torch.distributed (gloo on CPU, NCCL on GPU) + Megatron's parallel groups, re-entrant."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP (and any other `.module` wrappers)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _finalize_without_token_scaling(model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
+    finalize_model_grads(model, None, **kwargs)
+
+
+class Actor:
+    """One rank's share of the policy (or, with `trainable=False`, of a frozen reference)."""
+
+    def __init__(self, recipe: ModelRecipe, optim: OptimSettings | None, micro_batch_size: int) -> None:
+        self.recipe = recipe
+        self.config = recipe.config
+        self.micro_batch_size = micro_batch_size
+        model = build_gpt_model(recipe)
+        self.trainable = optim is not None
+        if self.trainable:
+            ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=True)
+            model = DistributedDataParallel(config=self.config, ddp_config=ddp, module=model)
+            self.config.finalize_model_grads_func = _finalize_without_token_scaling
+            self.optimizer = get_megatron_optimizer(self._optimizer_config(optim), [model])
+            self.scheduler = self._scheduler(optim)
+        else:
+            for p in model.parameters():
+                p.requires_grad_(False)
+        self.model = model
+        self.step = 0
+
+    def _optimizer_config(self, o: OptimSettings) -> OptimizerConfig:
+        return OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, bf16=self.config.bf16, params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=True,
+        )
+
+    def _scheduler(self, o: OptimSettings) -> OptimizerParamScheduler:
+        total = max(o.total_steps, o.warmup_steps + 1)
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps, lr_decay_steps=total, lr_decay_style=o.decay_style,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=total, wd_incr_style="constant",
+        )
+
+    # ------------------------------------------------------------------ data split
+    def _local_microbatches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """This DP rank's rows, cut into micro-batches of `micro_batch_size` rows."""
+        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        n = batch.num_rows
+        if n % (dp * self.micro_batch_size):
+            raise ValueError(f"{n} rows do not split into DP {dp} × micro-batches of {self.micro_batch_size}")
+        per_rank = n // dp
+        local = batch.rows(rank * per_rank, (rank + 1) * per_rank)
+        mbs = [local.rows(i, i + self.micro_batch_size) for i in range(0, per_rank, self.micro_batch_size)]
+        if batch.sft_tokens is not None:
+            self._attach_sft(batch, mbs, rank, dp)
+        return mbs
+
+    @staticmethod
+    def _attach_sft(batch: TrainBatch, mbs: list[TrainBatch], rank: int, dp: int) -> None:
+        sft_rows = batch.sft_tokens.shape[0]
+        if sft_rows % (dp * len(mbs)):
+            raise ValueError(f"{sft_rows} SFT rows do not split over DP {dp} × {len(mbs)} micro-batches")
+        per_mb = sft_rows // (dp * len(mbs))
+        for i, mb in enumerate(mbs):
+            start = (rank * len(mbs) + i) * per_mb
+            mb.sft_tokens = batch.sft_tokens[start:start + per_mb]
+            mb.sft_mask = batch.sft_mask[start:start + per_mb]
+
+    # ------------------------------------------------------------------ forward
+    def _logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        return model(tokens, positions, None)
+
+    def _tokens_of(self, mb: TrainBatch) -> torch.Tensor:
+        if mb.sft_tokens is None:
+            return mb.tokens
+        width = max(mb.tokens.shape[1], mb.sft_tokens.shape[1])
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        return torch.cat([pad(mb.tokens), pad(mb.sft_tokens)], dim=0)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], ps.get_tensor_model_parallel_group(),
+                                      temperature=temperature, with_entropy=with_entropy)
+        return out.logprobs, out.entropy
+
+    def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool) -> list[Any]:
+        seq_len = max(self._tokens_of(mb).shape[1] for mb in mbs)
+
+        def forward_step(data_iterator: Iterator[TrainBatch], model: torch.nn.Module) -> tuple[Any, Any]:
+            mb = next(data_iterator)
+            tokens = torch.nn.functional.pad(self._tokens_of(mb), (0, seq_len - self._tokens_of(mb).shape[1]))
+            return self._logits(model, tokens), partial(loss_for, mb, tokens)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
+            num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=self._tokens_of(mbs[0]).shape[0],
+            forward_only=forward_only,
+        )
+
+    def compute_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor | None:
+        """Per-target-position log-probs of `batch.tokens` [N, L−1], on the last PP stage (else None)."""
+        self.model.eval()
+        mbs = self._local_microbatches(TrainBatch(batch.tokens, batch.mask, batch.advantages))
+
+        def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
+            logp, _ = self._logprobs(logits, tokens, temperature, with_entropy=False)
+            return logp.sum() * 0.0, torch.tensor(1), {"logprobs": logp.detach()[:, : mb.tokens.shape[1] - 1]}
+
+        with torch.no_grad():
+            reports = self._run(mbs, loss_for, forward_only=True)
+        if not ps.is_pipeline_last_stage():
+            return None
+        local = torch.cat([r["logprobs"] for r in reports], dim=0)
+        return self._gather_dp(local)
+
+    @staticmethod
+    def _gather_dp(local: torch.Tensor) -> torch.Tensor:
+        group = ps.get_data_parallel_group()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, batch: TrainBatch, cfg: ObjectiveConfig, objective: str, temperature: float,
+                   rl_step: int) -> dict[str, float]:
+        """One optimizer step on `batch` (all rows of this step, identical on every rank)."""
+        self.model.train()
+        denoms = denominators_from_masks([batch.mask], batch.mask.shape[1])
+        sft_denoms = None if batch.sft_mask is None else \
+            denominators_from_masks([batch.sft_mask], batch.sft_mask.shape[1])
+        mbs = self._local_microbatches(batch)
+        loss_fn = get_objective(objective)
+        need_entropy = cfg.entropy_coef > 0
+
+        def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
+            logp, entropy = self._logprobs(logits, tokens, temperature, with_entropy=True)
+            rows, width = mb.tokens.shape[0], mb.tokens.shape[1] - 1
+            inputs = LossInputs(
+                logprobs=logp[:rows, :width], old_logprobs=mb.old_logprobs, advantages=mb.advantages,
+                mask=mb.mask, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
+                entropy=entropy[:rows, :width] if need_entropy or entropy is not None else None,
+            )
+            if mb.sft_tokens is not None:
+                inputs.sft_logprobs = logp[rows:, : mb.sft_tokens.shape[1] - 1]
+                inputs.sft_mask = mb.sft_mask
+            out = loss_fn(inputs, cfg, denoms, step=rl_step, sft_denoms=sft_denoms)
+            return out.loss, torch.tensor(1), {k: v.detach() for k, v in out.metrics.items()}
+
+        for chunk in [self.model]:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self._run(mbs, loss_for, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        self.step += 1
+        return self._step_metrics(reports, ok, grad_norm)
+
+    def _step_metrics(self, reports: list[dict[str, torch.Tensor]], ok: bool, grad_norm: float | None) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if ps.is_pipeline_last_stage():
+            combined = all_reduce_metrics(combine_metrics(reports), ps.get_data_parallel_group())
+            metrics = finalize_metrics(combined)
+        metrics = _broadcast_from_last_stage(metrics)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["update_ok"] = float(bool(ok))
+        return metrics
+
+
+def _broadcast_from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
+    """Every rank gets the last pipeline stage's metrics (they are computed there)."""
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return metrics
+    box = [metrics]
+    src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
+    dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
+    return box[0]

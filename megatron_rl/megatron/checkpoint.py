@@ -1,0 +1,136 @@
+"""Megatron dist-checkpoints of the actor: model + optimizer + scheduler + step + RNG.
+
+The torch_dist format is layout-independent, so a checkpoint saved at one TP/PP/EP layout loads at
+another (Megatron reshards on load). Saves go to `<dir>.partial` and are renamed only after every
+rank finished and the `complete` marker is written, so a crash never leaves a directory that
+`latest_checkpoint` would pick.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing
+
+from .actor import Actor, unwrap
+
+COMPLETE = "complete.json"
+
+
+def _sharded_state(actor: Actor, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
+    model_sd = unwrap(actor.model).sharded_state_dict()
+    state: dict[str, Any] = {"model": model_sd}
+    if actor.trainable and with_optimizer:
+        # 'fully_reshardable' gathers each parameter's optimizer state, so a checkpoint loads at
+        # any TP/PP/EP/DP layout (the default model-space format needs flattened ranges, which
+        # megatron's own validator rejects in 0.19).
+        state["optimizer"] = actor.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True})
+    return state
+
+
+def save_checkpoint(actor: Actor, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Collective: every rank calls it. `extra` (JSON-able, e.g. data-loader position) rides along."""
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp))
+    rng_dir = tmp / "rng"
+    rng_dir.mkdir(exist_ok=True)
+    torch.save({"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+               rng_dir / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        meta = {"step": actor.step, "world_size": dist.get_world_size(),
+                "optimizer_parts": _optimizer_parts(actor),
+                "scheduler": actor.scheduler.state_dict() if actor.trainable else None, "extra": extra or {}}
+        (tmp / COMPLETE).write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    dist.barrier()
+    return final
+
+
+class OptimizerLayoutMismatch(RuntimeError):
+    """The optimizer state cannot be resharded onto this layout (weights still can)."""
+
+
+def _optimizer_parts(actor: Actor) -> int:
+    """How many optimizers megatron chains (dense / expert params split differently per layout)."""
+    return len(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])) if actor.trainable else 0
+
+
+def load_checkpoint(actor: Actor, directory: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+    """Collective. Restores weights (any layout), optimizer, scheduler, step and — when the world
+    size matches — every rank's RNG state. Returns the saved `extra`."""
+    path = Path(directory)
+    meta_file = path / COMPLETE
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {COMPLETE})")
+    meta = json.loads(meta_file.read_text())
+    if load_optimizer and actor.trainable and meta.get("optimizer_parts") != _optimizer_parts(actor):
+        # Megatron 0.19 keeps per-optimizer common state (param groups, steps) in the structure
+        # of the saving layout; a layout that splits dense/expert parameters into a different
+        # number of optimizers cannot take it. Weights reshard regardless.
+        raise OptimizerLayoutMismatch(
+            f"{path}: optimizer state was saved as {meta.get('optimizer_parts')} chained optimizer(s), this "
+            f"layout has {_optimizer_parts(actor)}; resume at the saving layout, or load weights only "
+            "(load_optimizer=False, fresh Adam state)")
+    if load_optimizer and actor.trainable:
+        # A fresh optimizer has no Adam state yet; megatron's loader fills existing state in place.
+        for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+            opt._init_optimizer_states_with_dummy_values()
+    state = _sharded_state(actor, is_loading=True, with_optimizer=load_optimizer)
+    loaded = dist_checkpointing.load(state, str(path))
+    unwrap(actor.model).load_state_dict(loaded["model"])
+    if load_optimizer and actor.trainable:
+        actor.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(actor)
+    elif actor.trainable:
+        actor.optimizer.reload_model_params()   # fp32 master weights follow the loaded weights
+    if actor.trainable and meta.get("scheduler"):
+        actor.scheduler.load_state_dict(meta["scheduler"])
+    actor.step = int(meta["step"])
+    rng = path / "rng" / f"rank{dist.get_rank()}.pt"
+    if meta["world_size"] == dist.get_world_size() and rng.is_file():
+        states = torch.load(rng, weights_only=False)
+        torch.set_rng_state(states["cpu"])
+        if states["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states["cuda"])
+    return meta["extra"]
+
+
+def _unshare_adam_steps(actor: Actor) -> None:
+    """megatron's loader gives every torch.optim.Adam parameter state the *same* `step` tensor;
+    Adam increments it in place once per parameter, so bias correction runs away after one step
+    (measured: step 34 instead of 2 with 33 parameters). Give each state its own copy."""
+    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete `step_XXXXXXXX` checkpoint under `root`."""
+    complete = [p for p in Path(root).glob("step_*") if (p / COMPLETE).is_file()]
+    return max(complete, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (rank 0 only)."""
+    complete = sorted((p for p in Path(root).glob("step_*") if (p / COMPLETE).is_file()),
+                      key=lambda p: int(p.name.split("_")[1]))
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)

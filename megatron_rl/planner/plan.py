@@ -1,0 +1,152 @@
+"""Verdict for a recipe's layout, and a search for layouts that fit.
+
+`plan(cfg, hf, hardware)` estimates the worst GPU of the recipe's own layout (see `memory`), says
+whether it fits with the margin (GB and % of the card) and names the largest term; then it
+enumerates layouts — TP ∈ {1, 2, 4, 8} (≤ GPUs per node), PP dividing the layer count (≤ 16), EP
+dividing the expert count, ETP ∈ {1, TP}, recompute none / full (uniform, 1 layer), optimizer on
+GPU / CPU — keeps those that pass the recipe linter's own divisibility rules ('parallel-sizes',
+'batch-sizes': one definition of validity) and fit with at least SAFE_MARGIN_PCT of the card to
+spare (the estimate assumes balanced expert routing; a hot expert and allocator peaks eat into the
+margin), and ranks them by a cost proxy, smallest first:
+
+  1. optimizer on GPU before CPU offload (the offloaded Adam step is PCIe-bound, seconds per step);
+  2. no recompute before full recompute (+1 forward, ~1/3 more compute);
+  3. smaller TP·PP (fewer per-layer TP collectives, pipeline bubble (PP−1)/micro-batches);
+  4. smaller PP (bubbles cost more than intra-node TP on NVLink);
+  5. expert all-to-all within a node (EP·ETP ≤ GPUs per node) before across nodes, then smaller
+     EP·ETP;
+  6. larger memory margin.
+
+Context parallelism, micro-batch size and the rollout layout are kept as the recipe sets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..config.schema import ParallelismConfig, RecipeConfig
+from ..lint import RULES
+from .memory import (Hardware, Layout, RolloutMemory, StageMemory, reserved_by_colocated_vllm,
+                     rollout_memory, worst_stage)
+from .params import ModelParams, count_params
+
+TP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
+MAX_PP = 16
+SAFE_MARGIN_PCT = 10.0
+LAYOUT_RULES: tuple[str, ...] = ("parallel-sizes", "batch-sizes")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    stage: StageMemory
+    rollout: RolloutMemory
+    capacity_gb: float
+    problems: tuple[str, ...] = ()
+    """Divisibility errors of the layout itself (from the linter)."""
+
+    @property
+    def total_gb(self) -> float:
+        return self.stage.total_gb
+
+    @property
+    def margin_gb(self) -> float:
+        return self.capacity_gb - self.total_gb
+
+    @property
+    def margin_pct(self) -> float:
+        return 100.0 * self.margin_gb / self.capacity_gb
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and self.margin_gb >= 0 and self.rollout.fits
+
+    @property
+    def comfortable(self) -> bool:
+        return self.fits and self.margin_pct >= SAFE_MARGIN_PCT
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    parallelism: ParallelismConfig
+    estimate: Estimate
+    cost: tuple[float, ...]
+
+    def overrides(self) -> list[str]:
+        p = self.parallelism
+        return [f"parallelism.tensor_model_parallel_size={p.tensor_model_parallel_size}",
+                f"parallelism.pipeline_model_parallel_size={p.pipeline_model_parallel_size}",
+                f"parallelism.expert_model_parallel_size={p.expert_model_parallel_size}",
+                f"parallelism.expert_tensor_parallel_size={p.expert_tensor_parallel_size}",
+                f"parallelism.sequence_parallel={str(p.sequence_parallel).lower()}",
+                f"parallelism.recompute_granularity={p.recompute_granularity}",
+                f"parallelism.optimizer_cpu_offload={str(p.optimizer_cpu_offload).lower()}"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str
+    hardware: Hardware
+    params: ModelParams
+    estimate: Estimate
+    suggestions: tuple[Suggestion, ...]
+
+
+def layout_problems(cfg: RecipeConfig, hf: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple(str(f) for name in LAYOUT_RULES for f in RULES[name](cfg, dict(hf))
+                 if f.level == "error")
+
+
+def estimate(cfg: RecipeConfig, params: ModelParams, hw: Hardware,
+             problems: tuple[str, ...] = ()) -> Estimate:
+    lay = Layout.from_recipe(cfg)
+    stage = worst_stage(params, lay, reserved_by_colocated_vllm(cfg, hw))
+    return Estimate(lay, stage, rollout_memory(params, cfg, hw), hw.gpu_memory_gb, problems)
+
+
+def candidates(cfg: RecipeConfig, params: ModelParams) -> Iterator[ParallelismConfig]:
+    p, d = cfg.parallelism, params.dims
+    world = p.nodes * p.gpus_per_node
+    tps = [t for t in TP_CHOICES if t <= p.gpus_per_node]
+    pps = [n for n in range(1, MAX_PP + 1) if d.layers % n == 0]
+    eps = [e for e in range(1, d.experts + 1) if d.experts % e == 0 and e <= world] or [1]
+    for tp, pp, ep, recompute, offload in itertools.product(tps, pps, eps, ("none", "full"),
+                                                             (False, True)):
+        for etp in (sorted({1, tp}) if d.experts else [None]):
+            yield dataclasses.replace(
+                p, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp, sequence_parallel=tp > 1 or p.sequence_parallel,
+                recompute_granularity=recompute, recompute_method="uniform", recompute_num_layers=1,
+                optimizer_cpu_offload=offload)
+
+
+def cost(p: ParallelismConfig, est: Estimate, gpus_per_node: int) -> tuple[float, ...]:
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    expert_span = p.expert_model_parallel_size * (p.expert_tensor_parallel_size or tp)
+    return (float(p.optimizer_cpu_offload), float(p.recompute_granularity == "full"), float(tp * pp),
+            float(pp), float(expert_span > gpus_per_node), float(expert_span), -est.margin_gb)
+
+
+def search(cfg: RecipeConfig, hf: Mapping[str, Any], params: ModelParams, hw: Hardware,
+           limit: int = 5) -> tuple[Suggestion, ...]:
+    found: list[Suggestion] = []
+    for par in candidates(cfg, params):
+        trial = dataclasses.replace(cfg, parallelism=par)
+        if layout_problems(trial, hf):
+            continue
+        est = estimate(trial, params, hw)
+        if est.comfortable:
+            found.append(Suggestion(par, est, cost(par, est, hw.gpus_per_node)))
+    return tuple(sorted(found, key=lambda s: s.cost)[:limit])
+
+
+def plan(cfg: RecipeConfig, hf: Mapping[str, Any], hw: Hardware, limit: int = 5) -> Plan:
+    """Estimate the recipe's own layout and the best `limit` layouts that fit."""
+    params = count_params(hf)
+    own = estimate(cfg, params, hw, layout_problems(cfg, hf))
+    return Plan(cfg.name, hw, params, own, search(cfg, hf, params, hw, limit))

@@ -1,0 +1,101 @@
+"""A plan as a readable table (`render`) or plain JSON data (`to_json`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .memory import RolloutMemory
+from .plan import SAFE_MARGIN_PCT, Estimate, Plan, Suggestion
+
+
+def _verdict(est: Estimate) -> str:
+    if est.problems:
+        return "INVALID LAYOUT: " + "; ".join(est.problems)
+    largest = est.stage.largest
+    status = "FITS" if est.fits else "DOES NOT FIT"
+    why = "" if est.rollout.fits or est.margin_gb < 0 else " (the rollout server does not fit)"
+    if est.fits and not est.comfortable:
+        why = f" (thin: under the {SAFE_MARGIN_PCT:g}% safety margin)"
+    return (f"{status}{why}: margin {est.margin_gb:+.1f} GB ({est.margin_pct:+.1f}% of "
+            f"{est.capacity_gb:g} GB); largest term: {largest.label} ({largest.gb:.1f} GB)")
+
+
+def _rollout_line(r: RolloutMemory) -> str:
+    head = (f"rollout ({r.placement}): {r.servers} vLLM server(s) × TP{r.tp} DP{r.dp} "
+            f"(experts over {r.ep}) on {r.gpus} GPUs")
+    if r.problem:
+        return f"{head}: {r.problem}"
+    return (f"{head}; per GPU: {r.reserved_gb:.1f} GB reserved = weights {r.weights_gb:.1f} + "
+            f"runtime {r.runtime_gb:.1f} + KV cache {r.kv_budget_gb:.1f} GB "
+            f"→ {r.sequences_per_server:.0f} max-length sequences per server"
+            f"{'' if r.fits else ' — DOES NOT FIT'}")
+
+
+def _suggestion_rows(suggestions: tuple[Suggestion, ...]) -> list[str]:
+    if not suggestions:
+        return ["  none in the search space"]
+    rows = [f"  {'#':>2}  {'TP':>2} {'PP':>2} {'EP':>3} {'ETP':>3}  {'recompute':<9} "
+            f"{'optimizer':<9} {'GB/GPU':>7} {'margin':>7}"]
+    for i, s in enumerate(suggestions, 1):
+        p, e = s.parallelism, s.estimate
+        rows.append(f"  {i:>2}  {p.tensor_model_parallel_size:>2} {p.pipeline_model_parallel_size:>2} "
+                    f"{p.expert_model_parallel_size:>3} {p.expert_tensor_parallel_size or '-':>3}  "
+                    f"{p.recompute_granularity:<9} {'CPU' if p.optimizer_cpu_offload else 'GPU':<9} "
+                    f"{e.total_gb:>7.1f} {e.margin_pct:>6.1f}%")
+    return rows
+
+
+def render(plan: Plan) -> str:
+    est, prm, hw = plan.estimate, plan.params, plan.hardware
+    lines = [f"plan: {plan.recipe}",
+             f"model: {prm.architecture}, {prm.total / 1e9:.2f} B parameters "
+             f"({prm.active / 1e9:.2f} B active per token)",
+             f"trainer: {est.layout.world // hw.gpus_per_node} nodes × {hw.gpus_per_node} GPUs × "
+             f"{hw.gpu_memory_gb:g} GB; {est.layout.describe()}",
+             f"worst GPU: pipeline stage {est.stage.stage} of {est.layout.pp} "
+             f"({est.stage.num_layers} layers)", "",
+             f"  {'term':<36} {'GB/GPU':>7}  note"]
+    lines += [f"  {t.label:<36} {t.gb:>7.2f}  {t.note}" for t in est.stage.terms]
+    lines += [f"  {'total':<36} {est.total_gb:>7.2f}", f"  {'capacity':<36} {est.capacity_gb:>7.2f}",
+              "", f"verdict: {_verdict(est)}", _rollout_line(est.rollout), "",
+              f"layouts that fit with >= {SAFE_MARGIN_PCT:g}% margin "
+              "(best first: GPU optimizer, no recompute, small TP·PP, small PP, then EP):"]
+    return "\n".join(lines + _suggestion_rows(plan.suggestions)) + "\n"
+
+
+def _estimate_json(est: Estimate) -> dict[str, Any]:
+    r = est.rollout
+    return {
+        "layout": est.layout.describe(),
+        "stage": est.stage.stage,
+        "stage_layers": est.stage.num_layers,
+        "terms_gb": {t.key: round(t.gb, 3) for t in est.stage.terms},
+        "host_optimizer_gb": round(est.stage.host_gb, 3),
+        "total_gb": round(est.total_gb, 3),
+        "capacity_gb": est.capacity_gb,
+        "margin_gb": round(est.margin_gb, 3),
+        "margin_pct": round(est.margin_pct, 2),
+        "largest_term": est.stage.largest.key,
+        "fits": est.fits,
+        "problems": list(est.problems),
+        "rollout": {"placement": r.placement, "tp": r.tp, "dp": r.dp, "ep": r.ep, "gpus": r.gpus,
+                    "servers": r.servers, "reserved_gb": round(r.reserved_gb, 3),
+                    "weights_gb": round(r.weights_gb, 3), "kv_budget_gb": round(r.kv_budget_gb, 3),
+                    "sequences_per_server": round(r.sequences_per_server, 1), "fits": r.fits,
+                    "problem": r.problem},
+    }
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    prm = plan.params
+    return {
+        "recipe": plan.recipe,
+        "hardware": {"gpus_per_node": plan.hardware.gpus_per_node,
+                     "gpu_memory_gb": plan.hardware.gpu_memory_gb},
+        "model": {"architecture": prm.architecture, "total_params": prm.total,
+                  "active_params": prm.active, "non_embedding_params": prm.non_embedding,
+                  "breakdown": prm.breakdown()},
+        **_estimate_json(plan.estimate),
+        "suggestions": [{"overrides": s.overrides(), **_estimate_json(s.estimate)}
+                        for s in plan.suggestions],
+    }

@@ -1,0 +1,93 @@
+"""MedMCQA answer rewards (single answer, options a–d): `medmcqa_strict` and `medmcqa_flexible`.
+
+Both look only at the response tail (`registry.MAX_TAIL_CHARS`), NFKC-normalised so full-width
+text matches, and try answer patterns in priority order; the first pattern that matches decides,
+using its LAST match in the tail:
+
+  strict (explicit answer statements only)
+    1. `[ans]X[/ans]`                      (the project's format; parsed by `mcq.extract_answer`)
+    2. `The correct answer/option is X`
+    3. `Answer: X` / `Final answer: X`      (colon required)
+    4. `答え: X`, `答えはX`, `正解: X`, `正解はX`
+  flexible = strict, then looser phrasings
+    5. `The answer is X`, `answer X`
+    6. `option X`, `choice X`
+    7. a last line that is only the letter: `X`, `(X)`, `X.`, `X)`
+
+Because "a" is also an English word, a letter counts only when it is upper case (`B`), in
+parentheses (`(b)`), or lower case followed by `) . : , ;` or the end of the line — so
+"the answer is a fracture" yields no answer, while "Answer: b" does.
+
+Reward: correct → 1.0; an answer was found but is wrong (or names several options) → 0.1, a small
+format credit; no answer → 0.0.
+
+All patterns use only bounded quantifiers (`{0,4}`), so matching cannot backtrack
+catastrophically, and the input is the bounded tail.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Any
+
+from megatron_rl.rewards.mcq import extract_answer, gold_sets
+from megatron_rl.rewards.registry import register_reward, tail
+
+CORRECT_REWARD = 1.0
+FORMATTED_WRONG_REWARD = 0.1
+NO_ANSWER_REWARD = 0.0
+
+_SP = r"[ \t]{0,4}"
+_LETTER = (r"(?:\((?P<paren>[a-dA-D])\)"
+           r"|(?P<upper>[A-D])(?![A-Za-z0-9])"
+           r"|(?P<lower>[a-d])(?=[).:,;]|[ \t]{0,4}(?:\n|$)))")
+
+_STRICT_PATTERNS: tuple[re.Pattern[str], ...] = (
+    re.compile(rf"(?i:the){_SP}(?i:correct){_SP}(?i:answer|option){_SP}(?i:is){_SP}:?{_SP}"
+               + _LETTER),
+    re.compile(rf"(?i:answer){_SP}:{_SP}" + _LETTER),
+    re.compile(rf"(?:答え|正解|解答){_SP}(?::|は){_SP}" + _LETTER),
+)
+_FLEXIBLE_PATTERNS: tuple[re.Pattern[str], ...] = (
+    re.compile(rf"(?i:answer){_SP}(?:(?i:is){_SP})?" + _LETTER),
+    re.compile(rf"(?i:option|choice){_SP}" + _LETTER),
+    re.compile(rf"(?:^|\n)[ \t]{{0,4}}{_LETTER}[ \t]{{0,4}}$"),
+)
+
+
+def _letter_of(match: re.Match[str]) -> str:
+    letter = match.group("paren") or match.group("upper") or match.group("lower")
+    return letter.lower()
+
+
+def extract_medmcqa_answer(response: str, *, flexible: bool) -> frozenset[str] | None:
+    """The answer set by the first matching pattern (see module docstring), or None."""
+    tagged = extract_answer(response)
+    if tagged is not None:
+        return tagged
+    window = unicodedata.normalize("NFKC", tail(response)).rstrip()
+    patterns = _STRICT_PATTERNS + (_FLEXIBLE_PATTERNS if flexible else ())
+    for pattern in patterns:
+        last = None
+        for match in pattern.finditer(window):
+            last = match
+        if last is not None:
+            return frozenset({_letter_of(last)})
+    return None
+
+
+def _score(answer: frozenset[str] | None, sample: Any) -> float:
+    if answer is None:
+        return NO_ANSWER_REWARD
+    return CORRECT_REWARD if answer in gold_sets(sample) else FORMATTED_WRONG_REWARD
+
+
+@register_reward("medmcqa_strict")
+def medmcqa_strict(response: str, sample: Any) -> float:
+    return _score(extract_medmcqa_answer(response, flexible=False), sample)
+
+
+@register_reward("medmcqa_flexible")
+def medmcqa_flexible(response: str, sample: Any) -> float:
+    return _score(extract_medmcqa_answer(response, flexible=True), sample)

@@ -1,0 +1,82 @@
+"""torchrun worker: save a dist-checkpoint at one layout, load it at others, compare logits.
+
+`torchrun --nproc-per-node 2 tests/mp/checkpoint_worker.py HF_DIR CKPT_DIR OUT_JSON`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
+from megatron_rl.megatron.checkpoint import OptimizerLayoutMismatch, load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
+from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from layouts_worker import LAYOUTS, make_batch  # noqa: E402
+
+
+def build(hf_dir: str, layout: ParallelLayout) -> Actor:
+    init_parallel(layout, seed=1234)
+    return Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32),
+                 OptimSettings(lr=1e-3, total_steps=10), micro_batch_size=2)
+
+
+def logprobs(actor: Actor, batch) -> torch.Tensor:
+    out = actor.compute_logprobs(batch, temperature=1.0)
+    from megatron.core import parallel_state as ps
+    box = [out]
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
+        dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+def main() -> None:
+    hf_dir, ckpt, out = sys.argv[1:4]
+    hf = read_hf_config(hf_dir)
+    batch = make_batch(hf["vocab_size"])
+    # Train one step at TP2+SP so the checkpoint holds non-initial weights and optimizer state.
+    actor = build(hf_dir, LAYOUTS["tp2_sp"])
+    load_hf_into_model(actor.model, hf_dir)
+    actor.optimizer.reload_model_params()
+    batch.old_logprobs = logprobs(actor, batch)
+    actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 0)
+    reference = logprobs(actor, batch)
+    save_checkpoint(actor, ckpt, extra={"epoch": 3})
+    actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 1)
+    after_step = logprobs(actor, batch)
+    result = {}
+    for name, layout in LAYOUTS.items():
+        other = build(hf_dir, layout)
+        try:
+            extra = load_checkpoint(other, ckpt)
+            optimizer_loaded = True
+        except OptimizerLayoutMismatch:
+            extra = load_checkpoint(other, ckpt, load_optimizer=False)
+            optimizer_loaded = False
+        entry = {"max_logprob_diff": (logprobs(other, batch) - reference).abs().max().item(),
+                 "step": other.step, "extra": extra, "optimizer_loaded": optimizer_loaded}
+        if optimizer_loaded:
+            # Same optimizer state ⇒ the next step is the same as the saver's next step.
+            other.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 1)
+            entry["logprob_diff_after_step"] = (logprobs(other, batch) - after_step).abs().max().item()
+        result[name] = entry
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

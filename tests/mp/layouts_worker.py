@@ -1,0 +1,112 @@
+"""torchrun worker: the same GRPO/GSPO steps under several parallel layouts, from one checkpoint.
+
+Run as `torchrun --nproc-per-node 2 tests/mp/layouts_worker.py HF_DIR OUT_JSON`; rank 0 writes the
+losses and the max |Δ| of the final weights of every layout against the first one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
+from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
+from megatron_rl.types import TrainBatch  # noqa: E402
+from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from megatron_rl.weights.sharding import gather_to_rank0  # noqa: E402
+
+LAYOUTS = {
+    "tp1": ParallelLayout(),
+    "tp2_sp": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True),
+    "ep2": ParallelLayout(expert_model_parallel_size=2),
+    "pp2": ParallelLayout(pipeline_model_parallel_size=2),
+    "tp2_ep2_etp1": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True,
+                                   expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+}
+OBJECTIVES = {
+    "grpo": ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05),
+    "gspo": ObjectiveConfig(clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="seq-mean-token-mean"),
+}
+
+
+def make_batch(vocab: int, rows: int = 8, length: int = 24, seed: int = 7) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.zeros(rows, length - 1)
+    for r in range(rows):
+        prompt = int(torch.randint(3, 10, (1,), generator=g))
+        end = int(torch.randint(prompt + 4, length, (1,), generator=g))
+        mask[r, prompt - 1:end - 1] = 1.0
+    adv = torch.randn(rows, generator=g)
+    return TrainBatch(tokens=tokens, mask=mask, advantages=adv)
+
+
+def run_layout(hf_dir: str, layout: ParallelLayout, objective: str) -> tuple[list[float], dict]:
+    init_parallel(layout, seed=1234)
+    hf = read_hf_config(hf_dir)
+    recipe = build_model_recipe(hf, layout, torch.float32)
+    actor = Actor(recipe, OptimSettings(lr=1e-3, clip_grad=1.0, total_steps=10), micro_batch_size=2)
+    load_hf_into_model(actor.model, hf_dir)
+    actor.optimizer.reload_model_params()   # the optimizer's fp32 master copy follows the loaded weights
+    batch = make_batch(hf["vocab_size"])
+    old = actor.compute_logprobs(batch, temperature=1.0)
+    old = _from_last_stage(old, batch)
+    batch.old_logprobs = old
+    batch.ref_logprobs = old.clone()
+    losses = []
+    for step in range(2):
+        metrics = actor.train_step(batch, OBJECTIVES[objective], objective, temperature=1.0, rl_step=step)
+        losses.append(sum(v for k, v in metrics.items() if k.startswith("loss/")))
+    weights = {}
+    for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):
+        weights.update(part)
+    return losses, weights
+
+
+def _from_last_stage(t: torch.Tensor | None, batch: TrainBatch) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return t
+    box = [t]
+    src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
+    dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    hf_dir, out = sys.argv[1], sys.argv[2]
+    result: dict = {}
+    for objective in OBJECTIVES:
+        ref_weights = None
+        for name, layout in LAYOUTS.items():
+            losses, weights = run_layout(hf_dir, layout, objective)
+            entry = {"losses": losses}
+            if dist.get_rank() == 0:
+                if ref_weights is None:
+                    ref_weights = weights
+                    entry["num_tensors"] = len(weights)
+                entry["max_weight_diff"] = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+                entry["missing"] = sorted(set(ref_weights) - set(weights))
+                entry["max_update"] = None
+            result[f"{objective}/{name}"] = entry
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
