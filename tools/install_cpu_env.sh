@@ -34,7 +34,7 @@ echo "[install] megatron-core (--no-deps: its metadata asks for Python>=3.12 but
 "${pip[@]}" install -q --no-deps --no-build-isolation -e .
 
 if [[ "${1:-}" == "--relock" ]]; then
-    { sed -n '1,2p' "$LOCK"; "${pip[@]}" freeze --exclude-editable | grep -v '^megatron-core=='; } > "$LOCK.new"
+    { sed -n '1,2p' "$LOCK"; "${pip[@]}" freeze --exclude-editable | grep -v -e "^megatron-core==" -e " @ file:"; } > "$LOCK.new"
     mv "$LOCK.new" "$LOCK"
     want=$(cat "$PINS" "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
 fi
