@@ -19,6 +19,7 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.weights.hf_io import HFCheckpointReader  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_to_rank0  # noqa: E402
 
@@ -63,7 +64,7 @@ def run_layout(hf_dir: str, layout: ParallelLayout, objective: str) -> tuple[lis
     losses = []
     for step in range(2):
         metrics = actor.train_step(batch, OBJECTIVES[objective], objective, temperature=1.0, rl_step=step)
-        losses.append(sum(v for k, v in metrics.items() if k.startswith("loss/")))
+        losses.append(metrics["loss/total"])
     weights = {}
     for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):
         weights.update(part)
@@ -88,6 +89,9 @@ def main() -> None:
 
     hf_dir, out = sys.argv[1], sys.argv[2]
     result: dict = {}
+    reader = HFCheckpointReader(hf_dir)
+    adapter = adapter_for(read_hf_config(hf_dir))
+    initial = {e.mcore: adapter.to_mcore(e, {n: reader.get(n) for n in e.hf}) for e in adapter.entries}
     for objective in OBJECTIVES:
         ref_weights = None
         for name, layout in LAYOUTS.items():
@@ -99,7 +103,7 @@ def main() -> None:
                     entry["num_tensors"] = len(weights)
                 entry["max_weight_diff"] = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
                 entry["missing"] = sorted(set(ref_weights) - set(weights))
-                entry["max_update"] = None
+                entry["weight_change"] = max((weights[k] - initial[k]).abs().max().item() for k in weights)
             result[f"{objective}/{name}"] = entry
     if dist.get_rank() == 0:
         with open(out, "w") as f:

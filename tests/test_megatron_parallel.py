@@ -1,0 +1,57 @@
+"""Real megatron-core on CPU (gloo, 2 processes): parallel layouts agree, checkpoints reshard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
+from tests.mp.launch import REPO, torchrun
+
+TINY_FIELDS = yaml.safe_load((REPO / "recipes/tiny/base.yaml").read_text())["model"]["tiny"]
+# Losses agree to fp32 reduction-order noise. Weights after 2 Adam steps (lr 1e-3) differ more:
+# Adam divides by sqrt(v), so parameters whose gradient is ~0 turn round-off into updates of up
+# to ±lr; 5e-5 is 5 % of one step's size, far below what a wrong shard or a lost gradient gives
+# (those move weights by a whole step, ~1e-3).
+LOSS_RTOL = 1e-6
+WEIGHT_ATOL = 5e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path_factory.mktemp("tiny_moe"), seed=0)
+
+
+def test_layouts_give_the_same_grpo_and_gspo_steps(tiny_moe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "layouts.json"
+    torchrun("layouts_worker.py", str(tiny_moe), str(out))
+    result = json.loads(out.read_text())
+    for objective in ("grpo", "gspo"):
+        ref = result[f"{objective}/tp1"]
+        assert ref["num_tensors"] == 33 and len(ref["losses"]) == 2
+        assert ref["losses"][0] != ref["losses"][1]          # the first step changed the policy
+        for layout in ("tp2_sp", "ep2", "pp2", "tp2_ep2_etp1"):
+            got = result[f"{objective}/{layout}"]
+            assert got["missing"] == []
+            assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL), (objective, layout)
+            assert got["max_weight_diff"] <= WEIGHT_ATOL, (objective, layout, got["max_weight_diff"])
+            assert got["weight_change"] > 1.5e-3    # two Adam steps of lr 1e-3 really moved the weights
+
+
+def test_checkpoint_saved_at_one_layout_loads_at_others(tiny_moe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ckpt.json"
+    torchrun("checkpoint_worker.py", str(tiny_moe), str(tmp_path / "ckpt"), str(out))
+    result = json.loads(out.read_text())
+    assert set(result) == {"tp1", "tp2_sp", "ep2", "pp2", "tp2_ep2_etp1"}
+    for layout, got in result.items():
+        assert got["max_logprob_diff"] <= 2e-6, layout          # identical weights, fp32 noise only
+        assert got["step"] == 1 and got["extra"] == {"epoch": 3}
+        if got["optimizer_loaded"]:
+            # Optimizer state, step count and LR schedule restored: the next step matches the saver's.
+            assert got["logprob_diff_after_step"] <= 2e-6, layout
+    # Layouts whose dense/expert optimizer split matches the saver's restore the optimizer too.
+    assert result["tp2_sp"]["optimizer_loaded"] and result["tp1"]["optimizer_loaded"]
+    assert not result["ep2"]["optimizer_loaded"]               # reported, weights still loaded
