@@ -195,20 +195,23 @@ def _patch_optimizer_state_loading() -> None:
 
 
 def check_patched_symbols() -> list[str]:
-    """Names in PATCHED_SYMBOLS that no longer exist upstream (empty = all present)."""
+    """Names in PATCHED_SYMBOLS that no longer exist upstream (empty = all present).
+
+    Entries are (module, attribute) or ("package.module.Class", attribute).
+    """
     missing = []
-    for module, attr in PATCHED_SYMBOLS:
-        owner_name = None
-        if module.rsplit(".", 1)[-1][:1].isupper():      # "pkg.module.Class"
-            module, owner_name = module.rsplit(".", 1)
+    for target, attr in PATCHED_SYMBOLS:
+        module, owner_name = target, None
+        if target.rsplit(".", 1)[-1][:1].isupper():
+            module, owner_name = target.rsplit(".", 1)
         try:
             owner = importlib.import_module(module)
             if owner_name is not None:
                 owner = getattr(owner, owner_name)
             if not hasattr(owner, attr):
-                missing.append(f"{module}.{attr}")
+                missing.append(f"{target}.{attr}")
         except (ImportError, AttributeError) as exc:
-            missing.append(f"{module} ({exc})")
+            missing.append(f"{target} ({exc})")
     return missing
 
 
