@@ -14,10 +14,14 @@ from collections.abc import Sequence
 
 # Order is the order shown in `megatron-rl --help`.
 COMMAND_MODULES: tuple[str, ...] = (
+    "demo",
+    "train",
+    "rollout_server",
     "recipe",
     "data",
     "eval",
     "plan",
+    "convert",
 )
 
 

@@ -23,7 +23,8 @@ def findings(recipe: str, *overrides: str, check_paths: bool = False) -> dict[st
 
 @pytest.mark.parametrize("recipe", ["grpo.yaml", "gspo.yaml"])
 def test_tiny_recipes_are_clean(recipe: str) -> None:
-    assert findings(recipe, check_paths=True) == {}
+    # Their model and data paths point into .cache/demo, which `megatron-rl demo` builds.
+    assert findings(recipe) == {}
 
 
 def test_gspo_with_one_step_per_generation_is_an_error() -> None:

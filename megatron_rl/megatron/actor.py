@@ -175,10 +175,16 @@ class Actor:
             forward_only=forward_only,
         )
 
-    def compute_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor | None:
-        """Per-target-position log-probs of `batch.tokens` [N, L−1], on the last PP stage (else None)."""
+    def compute_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+        """Per-target-position log-probs of `batch.tokens` [N, L−1], on every rank."""
         self.model.eval()
-        mbs = self._local_microbatches(TrainBatch(batch.tokens, batch.mask, batch.advantages))
+        # Any number of rows: pad with copies of row 0 up to a multiple of DP × micro-batch.
+        n = batch.num_rows
+        unit = ps.get_data_parallel_world_size() * self.micro_batch_size
+        extra = (-n) % unit
+        tokens = torch.cat([batch.tokens, batch.tokens[:1].expand(extra, -1)]) if extra else batch.tokens
+        mbs = self._local_microbatches(TrainBatch(tokens, torch.zeros(tokens.shape[0], tokens.shape[1] - 1),
+                                                  torch.zeros(tokens.shape[0])))
 
         def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
             logp, _ = self._logprobs(logits, tokens, temperature, with_entropy=False)
@@ -186,10 +192,9 @@ class Actor:
 
         with torch.no_grad():
             reports = self._run(mbs, loss_for, forward_only=True)
-        if not ps.is_pipeline_last_stage():
-            return None
-        local = torch.cat([r["logprobs"] for r in reports], dim=0)
-        return self._gather_dp(local)
+        full = self._gather_dp(torch.cat([r["logprobs"] for r in reports], dim=0))[:n] \
+            if ps.is_pipeline_last_stage() else None
+        return _broadcast_from_last_stage(full)
 
     @staticmethod
     def _gather_dp(local: torch.Tensor) -> torch.Tensor:
@@ -224,34 +229,40 @@ class Actor:
             out = loss_fn(inputs, cfg, denoms, step=rl_step, sft_denoms=sft_denoms)
             return out.loss, torch.tensor(1), {k: v.detach() for k, v in out.metrics.items()}
 
-        for chunk in [self.model]:
-            chunk.zero_grad_buffer()
+        self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self._run(mbs, loss_for, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
+        metrics = self._reduce_reports(reports)
+        grad_norm = float(self.optimizer.get_grad_norm())
+        finite = math.isfinite(grad_norm) and all(math.isfinite(v) for k, v in metrics.items()
+                                                  if k.startswith("loss/"))
+        # A non-finite loss or gradient would poison the weights and Adam's moments: skip the
+        # update (the caller counts skipped steps and stops after several in a row).
+        ok = False
+        if finite:
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=1)
         self.step += 1
-        return self._step_metrics(reports, ok, grad_norm)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["update_skipped"] = float(not (finite and ok))
+        return metrics
 
-    def _step_metrics(self, reports: list[dict[str, torch.Tensor]], ok: bool, grad_norm: float | None) -> dict[str, float]:
+    def _reduce_reports(self, reports: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         metrics: dict[str, float] = {}
         if ps.is_pipeline_last_stage():
             combined = all_reduce_metrics(combine_metrics(reports), ps.get_data_parallel_group())
             metrics = finalize_metrics(combined)
-        metrics = _broadcast_from_last_stage(metrics)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["update_ok"] = float(bool(ok))
-        return metrics
+        return _broadcast_from_last_stage(metrics)
 
 
-def _broadcast_from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
-    """Every rank gets the last pipeline stage's metrics (they are computed there)."""
+def _broadcast_from_last_stage(value: Any) -> Any:
+    """Every rank gets what the last pipeline stage computed (losses and log-probs live there)."""
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp == 1:
-        return metrics
-    box = [metrics]
+        return value
+    box = [value]
     src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
     dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
     return box[0]

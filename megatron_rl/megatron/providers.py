@@ -24,6 +24,7 @@ from megatron.core import parallel_state  # noqa: E402  (after the CPU patches)
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,14 @@ class ModelRecipe:
 
     config: TransformerConfig
     layer_spec: Any
+    """A layer ModuleSpec, or a callable vp_stage → this stage's TransformerBlockSubmodules (hybrid
+    models, whose per-layer specs must be sliced per pipeline stage once parallel_state exists)."""
     vocab_size: int
     max_sequence_length: int
     rotary_base: float
     tie_word_embeddings: bool
+    rotary_percent: float = 1.0
+    """Fraction of each head's dims rotated by RoPE (partial RoPE)."""
 
 
 def architecture_of(hf: dict[str, Any]) -> str:
@@ -177,9 +182,14 @@ def build_gpt_model(recipe: ModelRecipe, vp_stage: int | None = None) -> GPTMode
     """The GPTModel of this rank's pipeline stage (parallel_state must be initialised)."""
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    # A provider may give a per-stage spec builder (hybrid layer patterns); a ModuleSpec is also
+    # callable, so test for the builder explicitly.
+    spec = recipe.layer_spec
+    if callable(spec) and not isinstance(spec, ModuleSpec):
+        spec = spec(vp_stage)
     return GPTModel(
         config=recipe.config,
-        transformer_layer_spec=recipe.layer_spec,
+        transformer_layer_spec=spec,
         vocab_size=recipe.vocab_size,
         max_sequence_length=recipe.max_sequence_length,
         pre_process=pre,
@@ -188,5 +198,9 @@ def build_gpt_model(recipe: ModelRecipe, vp_stage: int | None = None) -> GPTMode
         share_embeddings_and_output_weights=recipe.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=recipe.rotary_base,
+        rotary_percent=recipe.rotary_percent,
         vp_stage=vp_stage,
     )
+
+
+from . import qwen3_next  # noqa: E402,F401  (registers Qwen3NextForCausalLM)

@@ -1,0 +1,1 @@
+"""The rollout side: vLLM server launcher, its worker extension, and the async client."""

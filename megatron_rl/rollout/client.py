@@ -1,0 +1,134 @@
+"""Async client of the rollout server: n samples per prompt as token ids + per-token log-probs.
+
+Prompts go in as token ids and samples come back as token ids (`return_tokens_as_token_ids`), so
+nothing is re-tokenized between rollout and trainer. Which log-probs the server returns is fixed
+by the server's `--logprobs-mode`: `processed` = log-softmax(logits / T), the behaviour policy of a
+tempered rollout, which the trainer then recomputes at the same temperature; `raw` = of the
+untempered logits (the trainer uses T = 1). `RolloutClient.logprobs_temperature` says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ..types import Sample
+
+
+class RolloutError(RuntimeError):
+    """A request failed after all retries."""
+
+
+@dataclass
+class SamplingSettings:
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    logprobs_mode: str = "processed"
+
+    @property
+    def logprobs_temperature(self) -> float:
+        """Temperature at which the returned log-probs were computed."""
+        return self.temperature if self.logprobs_mode == "processed" else 1.0
+
+
+class RolloutClient:
+    """Bounded-concurrency generation with timeouts and exponential back-off retries."""
+
+    def __init__(self, base_url: str, token: str, model: str, max_concurrency: int = 64,
+                 timeout_s: float = 600.0, max_retries: int = 3,
+                 on_failure: Callable[[Exception], None] | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.model = model
+        self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.on_failure = on_failure
+        """Called between retries (e.g. to restart a dead server and re-sync its weights)."""
+
+    async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        delay = 0.5
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = await client.post(self.base_url + path, json=body, headers=self.headers,
+                                         timeout=self.timeout_s)
+                if resp.status_code == 200:
+                    return resp.json()
+                error: Exception = RolloutError(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
+                if resp.status_code in (400, 401, 403, 404):
+                    raise error                       # a retry cannot fix these
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                error = exc
+            if attempt == self.max_retries:
+                raise RolloutError(f"{path} failed after {attempt + 1} attempts: {error}") from error
+            if self.on_failure is not None:
+                await asyncio.to_thread(self.on_failure, error)
+            await asyncio.sleep(delay * (1 + random.random()))
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    async def _generate_one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, prompt_ids: list[int],
+                            s: SamplingSettings, seed: int | None) -> list[Sample]:
+        body = {"model": self.model, "prompt": prompt_ids, "n": s.n, "max_tokens": s.max_tokens,
+                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "logprobs": 0,
+                "return_tokens_as_token_ids": True}
+        if seed is not None:
+            body["seed"] = seed
+        async with sem:
+            data = await self._post(client, "/v1/completions", body)
+        version = int(data.get("weight_version", 0) or 0)
+        return [_sample_from_choice(prompt_ids, choice, version) for choice in data["choices"]]
+
+    async def generate_async(self, prompts: Sequence[list[int]], s: SamplingSettings,
+                             seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+        sem = asyncio.Semaphore(self.max_concurrency)
+        limits = httpx.Limits(max_connections=self.max_concurrency)
+        seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+        async with httpx.AsyncClient(limits=limits) as client:
+            tasks = [self._generate_one(client, sem, list(p), s, seed) for p, seed in zip(prompts, seeds)]
+            return list(await asyncio.gather(*tasks))
+
+    def generate(self, prompts: Sequence[list[int]], s: SamplingSettings,
+                 seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+        """One list of `s.n` samples per prompt, in prompt order. A per-prompt seed makes a
+        re-issued request (after a server restart) return the same samples."""
+        return asyncio.run(self.generate_async(prompts, s, seeds))
+
+    def prompt_logprobs(self, sequences: Sequence[list[int]]) -> list[list[float]]:
+        """The server's log-probs of every token after the first, for fixed sequences (T = 1)."""
+        async def run() -> list[list[float]]:
+            async with httpx.AsyncClient() as client:
+                sem = asyncio.Semaphore(self.max_concurrency)
+
+                async def one(seq: list[int]) -> list[float]:
+                    body = {"model": self.model, "prompt": list(seq), "max_tokens": 1, "temperature": 1.0,
+                            "prompt_logprobs": 0}
+                    async with sem:
+                        data = await self._post(client, "/v1/completions", body)
+                    entries = data["choices"][0]["prompt_logprobs"]
+                    return [_logprob_of(entries[i], seq[i]) for i in range(1, len(seq))]
+
+                return list(await asyncio.gather(*(one(s) for s in sequences)))
+
+        return asyncio.run(run())
+
+
+def _logprob_of(entry: dict[str, Any], token_id: int) -> float:
+    value = entry[str(token_id)]
+    return float(value["logprob"] if isinstance(value, dict) else value)
+
+
+def _sample_from_choice(prompt_ids: list[int], choice: dict[str, Any], version: int) -> Sample:
+    lp = choice["logprobs"]
+    tokens = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+    return Sample(prompt_ids=prompt_ids, response_ids=tokens,
+                  response_logprobs=[float(x) for x in lp["token_logprobs"]], text=choice.get("text", ""),
+                  finish_reason=choice.get("finish_reason") or "", weight_version=version)

@@ -1,0 +1,168 @@
+"""Start, watch and restart the rollout server (vLLM, OpenAI-compatible) of a run.
+
+The server binds 127.0.0.1 by default and requires the run's secret token on every route but
+/health (see server_main.py). The token is random per run, written to `<run>/rollout/token`
+(mode 600) and passed to the server in its environment. The address goes to
+`<run>/rollout/server.json` once the server is healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ..config.schema import RolloutConfig
+
+
+class ServerError(RuntimeError):
+    """The server did not come up, or died."""
+
+
+def new_token(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RolloutServer:
+    model_dir: str
+    run_dir: Path
+    cfg: RolloutConfig
+    max_model_len: int
+    token: str = ""
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def rollout_dir(self) -> Path:
+        return Path(self.run_dir) / "rollout"
+
+    def command(self) -> list[str]:
+        c = self.cfg
+        dtype = c.dtype if c.dtype != "auto" else "auto"
+        args = [sys.executable, "-m", "megatron_rl.rollout.server_main", "--model", self.model_dir,
+                "--host", c.host, "--port", str(self.port), "--dtype", dtype,
+                "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(c.tensor_parallel_size),
+                "--data-parallel-size", str(c.data_parallel_size),
+                "--gpu-memory-utilization", str(c.gpu_memory_utilization),
+                "--worker-extension-cls", "megatron_rl.rollout.worker_ext.WorkerExtension",
+                "--logprobs-mode", "processed_logprobs" if c.logprobs_mode == "processed" else "raw_logprobs",
+                "--served-model-name", "policy", "--disable-log-stats"]
+        if c.enforce_eager:
+            args.append("--enforce-eager")
+        if c.enable_expert_parallel:
+            args.append("--enable-expert-parallel")
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ, VLLM_API_KEY=self.token, VLLM_SERVER_DEV_MODE="1",
+                   VLLM_CPU_KVCACHE_SPACE=str(self.cfg.cpu_kvcache_gb))
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def start(self) -> None:
+        if not self.token:
+            self.token = new_token(self.rollout_dir / "token")
+        self.port = self.cfg.port or free_port(self.cfg.host)
+        self.rollout_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.rollout_dir / "server.log", "ab")
+        # A new session: the server's engine processes die with it on stop(), not with our terminal.
+        self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.wait_healthy()
+        info = {"url": self.base_url, "pid": self.proc.pid, "model": self.model_dir, "restarts": self.restarts}
+        (self.rollout_dir / "server.json").write_text(json.dumps(info, indent=1))
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        start = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerError(f"rollout server exited with code {self.proc.returncode} while starting; "
+                                  f"see {self.rollout_dir / 'server.log'}")
+            if self.healthy():
+                _progress(f"rollout server healthy at {self.base_url} after {time.monotonic() - start:.0f}s", end="\n")
+                return
+            _progress(f"waiting for rollout server at {self.base_url} ... {time.monotonic() - start:.0f}s")
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"rollout server not healthy after {self.cfg.startup_timeout_s:.0f}s; "
+                          f"see {self.rollout_dir / 'server.log'}")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                _kill_group(self.proc.pid)
+        _kill_group(self.proc.pid)     # engine-core children outlive a dead API process otherwise
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+
+    def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
+             timeout: float = 600.0) -> Any:
+        """An authenticated control request (pause/resume/collective_rpc/...)."""
+        resp = httpx.post(self.base_url + path, json=body, params=params, timeout=timeout,
+                          headers={"Authorization": f"Bearer {self.token}"})
+        if resp.status_code != 200:
+            raise ServerError(f"{path}: HTTP {resp.status_code}: {resp.text[:500]}")
+        return resp.json() if resp.content else None
+
+    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
+        return self.post("/collective_rpc", {"method": method, "args": list(args)}, timeout=timeout)["results"]
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _progress(text: str, end: str = "\r") -> None:
+    sys.stderr.write(f"\x1b[2K{text}{end}" if sys.stderr.isatty() else (text + "\n" if end == "\n" else ""))
+    sys.stderr.flush()

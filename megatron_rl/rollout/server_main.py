@@ -1,0 +1,44 @@
+"""Entry point of the rollout server process: vLLM's OpenAI-compatible server, every route guarded.
+
+vLLM's `--api-key` middleware guards only /v1-style routes; the development routes this project
+relies on for weight sync (/collective_rpc, /pause, /resume, /reset_prefix_cache, ...) would stay
+open. Here the token check covers every path except the health probe. The token arrives in
+VLLM_API_KEY (never on the command line, where `ps` would show it).
+"""
+
+from __future__ import annotations
+
+import sys
+
+OPEN_PATHS = ("/health", "/ping")
+
+
+def _guard_every_route() -> None:
+    from starlette.datastructures import Headers
+    from starlette.responses import JSONResponse
+    from vllm.entrypoints.serve.middleware import authenticate
+
+    def call(self, scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path not in OPEN_PATHS and not self.verify_token(Headers(scope=scope)):
+            return JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+        return self.app(scope, receive, send)
+
+    authenticate.AuthenticationMiddleware.__call__ = call
+
+
+def main() -> None:
+    import os
+
+    if not os.environ.get("VLLM_API_KEY"):
+        sys.exit("error: VLLM_API_KEY must hold the run's secret token")
+    _guard_every_route()
+    from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
+
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Rollout groups → rewards → advantages → a `TrainBatch` aligned to target positions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..advantages import compute_advantages
+from ..rewards.mcq import extract_answer
+from ..rewards.registry import combine
+from ..types import RolloutGroup, TrainBatch
+
+
+@dataclass
+class ScoredRollout:
+    batch: TrainBatch
+    rewards: torch.Tensor
+    reward_parts: dict[str, torch.Tensor]
+    format_ok: torch.Tensor
+    response_lengths: torch.Tensor
+    zero_variance_frac: float
+
+
+def score_groups(groups: Sequence[RolloutGroup], weights: dict[str, float],
+                 decode: Callable[[list[int]], str]) -> None:
+    """Fill each group's rewards (weighted sum) and per-function parts."""
+    for g in groups:
+        g.rewards, g.reward_parts = [], []
+        for s in g.samples:
+            text = decode(s.response_ids)
+            s.text = text
+            total, parts = combine(weights, text, g.record)
+            g.rewards.append(total)
+            g.reward_parts.append(parts)
+
+
+def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int, estimator: str,
+                mask_zero_variance: bool) -> ScoredRollout:
+    """Pad every prompt+response to `seq_len`; masks cover the response tokens' target positions."""
+    samples = [s for g in groups for s in g.samples]
+    n = len(samples)
+    tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, seq_len - 1)
+    rollout_lp = torch.zeros(n, seq_len - 1)
+    for i, s in enumerate(samples):
+        seq = (s.prompt_ids + s.response_ids)[:seq_len]
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        start, stop = len(s.prompt_ids) - 1, len(seq) - 1
+        mask[i, start:stop] = 1.0
+        rollout_lp[i, start:stop] = torch.tensor(s.response_logprobs[:stop - start])
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
+    adv = compute_advantages(rewards, group_size=len(groups[0].samples), estimator=estimator,
+                             drop_zero_variance=mask_zero_variance)
+    if mask_zero_variance and adv.sample_mask is not None:
+        mask = mask * adv.sample_mask.to(mask.dtype).unsqueeze(1)
+    names = sorted(groups[0].reward_parts[0]) if groups and groups[0].reward_parts else []
+    parts = {k: torch.tensor([p[k] for g in groups for p in g.reward_parts]) for k in names}
+    fmt = torch.tensor([extract_answer(s.text) is not None for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    batch = TrainBatch(tokens=tokens, mask=mask, advantages=adv.advantages.float(), rollout_logprobs=rollout_lp)
+    return ScoredRollout(batch, rewards, parts, fmt, lengths, adv.frac_zero_variance)

@@ -1,0 +1,98 @@
+"""`megatron-rl train`: the RL loop. One step: prompts → rollout → rewards/advantages → old/ref
+log-probs → `steps_per_generation` updates → weight sync (+ verification) → metrics → checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..config.schema import RecipeConfig
+from .batch import build_batch, score_groups
+from .metrics_log import MetricsLog, console_line
+from .rollout_phase import generate_groups
+from .session import Session, Stop, timed
+from .setup import export_hf, init_process_group, make_run_dir, objective_config
+from .step_parts import minibatches, probe_batch, sft_batch, step_metrics
+
+
+def train(cfg: RecipeConfig, resume: bool = False) -> Path:
+    init_process_group()
+    run_dir = make_run_dir(cfg, resume)
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
+    prompts_per_step = t.global_batch_size * a.steps_per_generation // r.n
+    session = Session(cfg, run_dir, total_steps=0)
+    steps_per_epoch = math.ceil(len(session.prompts.records) / prompts_per_step)
+    total = t.max_steps or t.epochs * steps_per_epoch
+    session.actor.scheduler.lr_decay_steps = max(1, total * a.steps_per_generation)
+    start = session.resume() if resume else 0
+    log = MetricsLog(run_dir, start, cfg.logging.tensorboard, cfg.logging.wandb_project, run_dir.name, {})
+    session.install_signal_handlers()
+    seq_len = r.max_prompt_length + r.max_response_length
+    pad = session.tokenizer.pad_token_id or 0
+    probe = probe_batch(session, seq_len, pad)
+    objective = objective_config(cfg)
+    try:
+        session.start_server()
+        extra = {**session.sync(), **session.verify(probe)}
+        bad_in_row = 0
+        for step in range(start + 1, total + 1):
+            timings: dict[str, float] = {}
+            indices = session.order.next_indices(prompts_per_step)
+            with timed(timings, "rollout"):
+                groups = _rollout(session, indices, step)
+            with timed(timings, "reward"):
+                score_groups(groups, cfg.rewards.weights, _decoder(session))
+                scored = build_batch(groups, seq_len, pad, a.advantage, a.mask_zero_variance_groups)
+            batch = scored.batch
+            with timed(timings, "logprobs"):
+                temperature = session.sampling().logprobs_temperature
+                batch.old_logprobs = session.actor.compute_logprobs(batch, temperature)
+                if session.reference is not None:
+                    batch.ref_logprobs = session.reference.compute_logprobs(batch, temperature)
+            updates = []
+            with timed(timings, "train"):
+                for i, mb in enumerate(minibatches(batch, a.steps_per_generation)):
+                    if session.sft is not None:
+                        mb.sft_tokens, mb.sft_mask = sft_batch(session, seq_len, pad)
+                    updates.append(session.actor.train_step(mb, objective, a.name, temperature, rl_step=step - 1))
+            bad = all(u["update_skipped"] for u in updates)
+            bad_in_row = bad_in_row + 1 if bad else 0
+            if bad_in_row >= t.max_bad_steps_in_row:
+                raise Stop(f"{bad_in_row} steps in a row had a non-finite loss or gradient; stopping")
+            with timed(timings, "sync"):
+                extra = session.sync()
+                if r.verify_every and session.version % r.verify_every == 0:
+                    extra.update(session.verify(probe))
+            metrics = step_metrics(scored, batch, updates, timings, extra, session.version)
+            log.log(step, metrics)
+            if session.rank0 and step % cfg.logging.log_interval == 0:
+                print(console_line(step, total, metrics), flush=True)
+            interval = cfg.checkpoint.save_interval
+            if (interval and step % interval == 0) or session.stop_signal or step == total:
+                session.save(step)
+            if session.stop_signal:
+                print(f"[train] {session.stop_signal}: checkpointed step {step}; resume with --resume", flush=True)
+                return run_dir
+        if cfg.checkpoint.export_hf:
+            export_hf(session.actor.model, session.adapter, session.hf_dir, run_dir / "hf_export")
+        return run_dir
+    finally:
+        log.close()
+        session.close()
+
+
+def _rollout(session: Session, indices: list[int], step: int) -> list:
+    box: list = [None]
+    if session.rank0:
+        p = session.prompts
+        box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],
+                                 indices, session.sampling(), session.cfg.trainer.seed, step, session.version)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _decoder(session: Session):  # noqa: ANN202
+    return lambda ids: session.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,195 @@
+"""A training session: the actor, reference, rollout server and weight sync of one run.
+
+`loop.py` reads as the algorithm; this module holds the plumbing it calls.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config.schema import RecipeConfig
+from ..megatron.actor import Actor, OptimSettings, init_parallel
+from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from ..megatron.providers import ParallelLayout, build_model_recipe
+from ..model_config import read_hf_config
+from ..rollout.client import RolloutClient, SamplingSettings
+from ..rollout.server import RolloutServer
+from ..types import TrainBatch
+from ..weights.adapters import adapter_for
+from ..weights.loading import load_hf_into_model
+from ..weights.sync import sync_weights
+from ..weights.transport_file import FileTransport
+from .data_order import DataOrder
+from .rollout_phase import ServerSupervisor
+from .setup import load_prompts, load_sft_tokens
+
+
+class Stop(Exception):
+    """The run must stop (reason in the message)."""
+
+
+def layout_of(cfg: RecipeConfig) -> ParallelLayout:
+    p = cfg.parallelism
+    return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                          p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.sequence_parallel,
+                          p.moe_token_dispatcher_type)
+
+
+class Session:
+    def __init__(self, cfg: RecipeConfig, run_dir: Path, total_steps: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg, self.run_dir = cfg, run_dir
+        self.rank0 = dist.get_rank() == 0
+        self.hf_dir = _require(cfg.model.init_checkpoint, "model.init_checkpoint (an HF model directory)")
+        self.hf = read_hf_config(self.hf_dir)
+        self.adapter = adapter_for(self.hf)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or self.hf_dir)
+        self.dtype = torch.bfloat16 if (cfg.model.params_dtype == "bf16" or
+                                        (cfg.model.params_dtype == "auto" and torch.cuda.is_available())) \
+            else torch.float32
+        init_parallel(layout_of(cfg), cfg.trainer.seed)
+        recipe = build_model_recipe(self.hf, layout_of(cfg), self.dtype)
+        t = cfg.trainer
+        optim = OptimSettings(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                              adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+                              warmup_steps=int(t.lr_warmup_ratio * total_steps * cfg.algorithm.steps_per_generation),
+                              total_steps=total_steps * cfg.algorithm.steps_per_generation,
+                              decay_style=t.lr_decay_style)
+        self.actor = Actor(recipe, optim, t.micro_batch_size)
+        load_hf_into_model(self.actor.model, self.hf_dir)
+        self.actor.optimizer.reload_model_params()
+        self.reference = self._reference(recipe) if cfg.algorithm.kl_beta > 0 else None
+        self.prompts = load_prompts(_require(cfg.data.train_path, "data.train_path"), self.tokenizer,
+                                    cfg.rollout.max_prompt_length, cfg.data.on_malformed)
+        self.sft = load_sft_tokens(cfg.data.sft_path, self.tokenizer, cfg.data.on_malformed) \
+            if cfg.algorithm.name == "chord" else None
+        self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)
+        self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
+        self.version = 0
+        self.server: RolloutServer | None = None
+        self.transport: FileTransport | None = None
+        self.client: RolloutClient | None = None
+        self.stop_signal: str | None = None
+
+    def _reference(self, recipe: Any) -> Actor:
+        ref = Actor(recipe, None, self.cfg.trainer.micro_batch_size)
+        path = self.cfg.model.reference_path if self.cfg.model.reference == "path" else self.hf_dir
+        load_hf_into_model(ref.model, path)
+        return ref
+
+    # ------------------------------------------------------------------ rollout server
+    def start_server(self) -> None:
+        if not self.rank0:
+            return
+        r = self.cfg.rollout
+        self.server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length)
+        self.server.start()
+        self.transport = FileTransport(self.server)
+        self.client = RolloutClient(self.server.base_url, self.server.token, "policy", r.max_concurrency,
+                                    r.request_timeout_s, r.max_retries, ServerSupervisor(self.server, self.transport))
+
+    def sampling(self) -> SamplingSettings:
+        r = self.cfg.rollout
+        return SamplingSettings(r.n, r.temperature, r.top_p, r.top_k, r.max_response_length, r.logprobs_mode)
+
+    def sync(self) -> dict[str, float]:
+        """Push the actor's weights to the server under a new version (collective)."""
+        self.version += 1
+        report = sync_weights(self.actor.model, self.adapter, self.transport, self.version,
+                              self.cfg.rollout.sync_bucket_mb << 20, torch.float32 if self.dtype == torch.float32
+                              else torch.bfloat16)
+        if report is None:
+            return {}
+        return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/buckets": report.buckets}
+
+    def verify(self, probe: TrainBatch) -> dict[str, float]:
+        """Server log-probs of fixed sequences == the trainer's own (T = 1), within the tolerance."""
+        trainer_lp = self.actor.compute_logprobs(probe, temperature=1.0)
+        diff = torch.zeros(())
+        if self.rank0:
+            seqs = [row[: int(m.nonzero().max()) + 2].tolist() for row, m in zip(probe.tokens, probe.mask)]
+            server_lp = self.client.prompt_logprobs(seqs)
+            for i, lp in enumerate(server_lp):
+                mask = probe.mask[i, :len(lp)] > 0
+                got = torch.tensor(lp)[mask]
+                diff = torch.maximum(diff, (got - trainer_lp[i, :len(lp)][mask]).abs().max())
+        dist.broadcast(diff, src=0)
+        if float(diff) > self.cfg.rollout.verify_tolerance or not math.isfinite(float(diff)):
+            raise Stop(f"weight-sync verification failed at version {self.version}: max |Δ log-prob| "
+                       f"{float(diff):.3g} > {self.cfg.rollout.verify_tolerance:g} (server and trainer disagree)")
+        return {"sync/verify_max_abs_diff": float(diff)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> Path:
+        root = self.run_dir / "checkpoints"
+        extra = {"step": step, "order": self.order.state(), "version": self.version,
+                 "sft_order": self.sft_order.state() if self.sft_order else None,
+                 "py_random": _encode_random_state()}
+        path = save_checkpoint(self.actor, root / f"step_{step:08d}", extra)
+        if self.rank0:
+            prune_checkpoints(root, self.cfg.checkpoint.keep_last)
+        dist.barrier()
+        return path
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint; returns the step it ended (0 = none)."""
+        latest = latest_checkpoint(self.run_dir / "checkpoints")
+        if latest is None:
+            return 0
+        extra = load_checkpoint(self.actor, latest)
+        self.order.load(extra["order"])
+        if self.sft_order and extra.get("sft_order"):
+            self.sft_order.load(extra["sft_order"])
+        random.setstate(_decode_random_state(extra["py_random"]))
+        if self.rank0:
+            print(f"[resume] from {latest} (step {extra['step']})", flush=True)
+        return int(extra["step"])
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            self.stop_signal = signal.Signals(signum).name
+
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, handler)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.server is not None:
+            self.server.stop()
+
+
+def _require(value: str | None, what: str) -> str:
+    if not value:
+        raise Stop(f"the recipe must set {what}")
+    return value
+
+
+def _encode_random_state() -> str:
+    return json.dumps(random.getstate(), default=list)
+
+
+def _decode_random_state(text: str) -> tuple:
+    version, internal, gauss = json.loads(text)
+    return (version, tuple(internal), gauss)
+
+
+def timed(timings: dict[str, float], name: str) -> Any:
+    class _Timer:
+        def __enter__(self) -> None:
+            self.t = time.perf_counter()
+
+        def __exit__(self, *exc: Any) -> None:
+            timings[f"time/{name}"] = time.perf_counter() - self.t
+
+    return _Timer()
