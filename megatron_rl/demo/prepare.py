@@ -17,7 +17,7 @@ from .warmup import encode_pairs, supervised_warmup
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def prepare_demo_assets(cache: Path, tiny_fields: dict[str, Any], seed: int = 0, warmup_steps: int = 150,
+def prepare_demo_assets(cache: Path, tiny_fields: dict[str, Any], seed: int = 0, warmup_steps: int = 200,
                         n_train: int = 2000, n_eval: int = 256) -> dict[str, Path]:
     """Paths of train/eval/sft JSONL and of the warmed-up model (HF dir with tokenizer)."""
     cache = Path(cache)

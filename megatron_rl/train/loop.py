@@ -89,7 +89,7 @@ def _rollout(session: Session, indices: list[int], step: int) -> list:
     if session.rank0:
         p = session.prompts
         box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],
-                                 indices, session.sampling(), session.cfg.trainer.seed, step, session.version)
+                                 indices, session.sampling(), session.version)
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

