@@ -69,7 +69,10 @@ def test_requests_without_the_run_token_are_refused(server: RolloutServer, path:
     assert httpx.post(server.base_url + path, json=body, timeout=10).status_code == 401
     wrong = {"Authorization": "Bearer not-the-token"}
     assert httpx.post(server.base_url + path, json=body, headers=wrong, timeout=10).status_code == 401
-    assert server.rpc("mrl_weight_version") == [0]          # nothing reached the worker
+    assert server.rpc("mrl_weight_version") == ["0"]        # nothing reached the worker
+    # Not paused by the refused /pause: an authenticated request is still served promptly.
+    quick = RolloutClient(server.base_url, server.token, "policy", timeout_s=60, max_retries=0)
+    assert len(quick.generate(prompts(1), SamplingSettings(1, 1.0, 1.0, -1, 2))[0]) == 1
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
     assert oct((server.rollout_dir / "token").stat().st_mode & 0o777) == "0o600"
 

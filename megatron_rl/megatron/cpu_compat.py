@@ -28,7 +28,22 @@ PATCHED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
     ("megatron.core.transformer.torch_norm", "WrappedTorchNorm"),
     ("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer", "_set_main_param_and_optimizer_states"),
+    # Gated DeltaNet (Qwen3-Next) without FLA: see _patch_gated_delta_net.
+    ("megatron.core.ssm.gated_delta_net.common", "HAVE_FLA"),
+    ("megatron.core.ssm.gated_delta_net.common", "l2norm"),
+    ("megatron.core.ssm.gated_delta_net.gdn", "chunk_gated_delta_rule"),
+    ("megatron.core.ssm.gated_delta_net.gdn", "causal_conv1d"),
 )
+# Methods megatron decorates with `jit_fuser`, i.e. `torch.compile` applied at import. On CPU the
+# first call builds inductor C++ kernels and needs a compiler on the machine: measured 15 s of a
+# tiny Qwen3-Next's first forward+backward (0.1 s without). The Python originals are restored.
+UNCOMPILED_METHODS: tuple[tuple[str, str], ...] = (
+    ("megatron.core.transformer.attention.Attention", "_apply_output_gate"),
+    ("megatron.core.ssm.gated_delta_net.GatedDeltaNet", "_prepare_input_for_gated_delta_rule"),
+    ("megatron.core.ssm.gated_delta_net.GatedDeltaNet", "_compute_g_and_beta"),
+    ("megatron.core.ssm.gated_delta_net.GatedDeltaNet", "_apply_gated_norm"),
+)
+PATCHED_SYMBOLS += UNCOMPILED_METHODS
 PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
 _applied = False
@@ -140,6 +155,43 @@ def _patch_megatron() -> None:
     # WrappedTorchNorm asserts against sequence parallelism and zero-centred gamma.
     norm = importlib.import_module("megatron.core.transformer.torch_norm")
     norm.WrappedTorchNorm.__new__ = _wrapped_norm_new
+    _patch_gated_delta_net()
+    for target, attr in UNCOMPILED_METHODS:
+        _uncompile(target, attr)
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """FLA's l2norm in torch, as transformers' Qwen3-Next computes it: x · rsqrt(Σx² + ε)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _fla_kernel_unavailable(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("FLA's Triton kernels need CUDA; on CPU build GatedDeltaNet with "
+                       "config.deterministic_mode=True (torch delta rule and F.conv1d)")
+
+
+def _patch_gated_delta_net() -> None:
+    """GatedDeltaNet refuses to construct without FLA, although with `deterministic_mode` its
+    forward uses only torch (the chunked delta rule and F.conv1d) plus FLA's l2norm, given here in
+    torch. The FLA kernels it would otherwise call raise a clear error instead of calling None."""
+    common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
+    gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+    common.HAVE_FLA = True
+    common.l2norm = l2norm
+    gdn.chunk_gated_delta_rule = _fla_kernel_unavailable
+    gdn.causal_conv1d = _fla_kernel_unavailable
+
+
+def _uncompile(target: str, attr: str) -> None:
+    """Put back the function `torch.compile` wrapped, on the class that defines it (a base class
+    may hold it, e.g. GatedDeltaNet's helpers live on _GDNBase)."""
+    module, cls_name = target.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), cls_name)
+    owner = next((c for c in cls.__mro__ if attr in vars(c)), None)
+    if owner is None:
+        return   # vanished upstream: check_patched_symbols (tests/test_cpu_compat.py) reports it
+    fn = vars(owner)[attr]
+    setattr(owner, attr, getattr(fn, "_torchdynamo_orig_callable", fn))
 
 
 class LocalRMSNorm(torch.nn.Module):

@@ -45,6 +45,12 @@ class WorkerExtension:
     def mrl_weight_version(self) -> int:
         return self._mrl_version
 
+    def mrl_reseed(self, seed: str) -> int:
+        """Re-seed the worker's sampling RNG (unseeded requests draw from it). With one request in
+        flight at a time, a step's samples then depend only on (seed, weights, prompts)."""
+        torch.manual_seed(int(seed))
+        return int(seed)
+
     def _iter_names(self) -> set[str]:
         from safetensors import safe_open
 

@@ -67,6 +67,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
                 if r.verify_every and session.version % r.verify_every == 0:
                     extra.update(session.verify(probe))
             metrics = step_metrics(scored, batch, updates, timings, extra, session.version)
+            metrics.update({"data/epoch": session.order.epoch, "data/position": session.order.position})
             log.log(step, metrics)
             if session.rank0 and step % cfg.logging.log_interval == 0:
                 print(console_line(step, total, metrics), flush=True)
@@ -87,6 +88,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
 def _rollout(session: Session, indices: list[int], step: int) -> list:
     box: list = [None]
     if session.rank0:
+        session.server.rpc("mrl_reseed", str((session.cfg.trainer.seed * 1_000_003 + step) % (2**31 - 1)))
         p = session.prompts
         box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],
                                  indices, session.sampling(), session.version)

@@ -47,6 +47,20 @@ class Entry:
     split: Split = _unone
 
 
+def interleave_groups(ts: list[Tensor], groups: int) -> Tensor:
+    """Row blocks [a; b; ...] → [a_0, b_0, ..., a_1, b_1, ...]: each tensor cut into `groups` equal row
+    blocks, block g of every tensor placed together (dim 0; trailing dims untouched)."""
+    tail = ts[0].shape[1:]
+    return torch.cat([t.reshape(groups, -1, *tail) for t in ts], dim=1).reshape(-1, *tail)
+
+
+def split_groups(t: Tensor, groups: int, rows: list[int]) -> list[Tensor]:
+    """Inverse of `interleave_groups`: `rows[i]` rows of tensor i per group."""
+    tail = t.shape[1:]
+    parts = torch.split(t.reshape(groups, sum(rows), *tail), rows, dim=1)
+    return [p.reshape(-1, *tail) for p in parts]
+
+
 def qkv_merge(num_heads: int, num_groups: int, head_dim: int) -> tuple[Merge, Split]:
     """q/k/v → Megatron's linear_qkv, grouped by query group: [q_g (heads/group), k_g, v_g] per group.
 
@@ -55,18 +69,10 @@ def qkv_merge(num_heads: int, num_groups: int, head_dim: int) -> tuple[Merge, Sp
     per_group = num_heads // num_groups
 
     def merge(ts: list[Tensor]) -> Tensor:
-        q, k, v = ts
-        tail = q.shape[1:]
-        q = q.reshape(num_groups, per_group * head_dim, *tail)
-        k = k.reshape(num_groups, head_dim, *tail)
-        v = v.reshape(num_groups, head_dim, *tail)
-        return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+        return interleave_groups(ts, num_groups)
 
     def split(t: Tensor) -> list[Tensor]:
-        tail = t.shape[1:]
-        g = t.reshape(num_groups, (per_group + 2) * head_dim, *tail)
-        q, k, v = torch.split(g, [per_group * head_dim, head_dim, head_dim], dim=1)
-        return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
+        return split_groups(t, num_groups, [per_group * head_dim, head_dim, head_dim])
 
     return merge, split
 
@@ -127,6 +133,7 @@ def register_adapter(*architectures: str) -> Callable[[AdapterFn], AdapterFn]:
 def adapter_for(hf_config: dict[str, Any]) -> WeightAdapter:
     """The adapter for `hf_config['architectures'][0]`."""
     from . import qwen3  # noqa: F401  (registers the Qwen3 family)
+    from . import qwen3_next  # noqa: F401  (registers Qwen3-Next)
 
     archs = hf_config.get("architectures") or []
     if not archs or archs[0] not in ADAPTERS:

@@ -2,8 +2,10 @@
 
 Local names count layers within the pipeline stage and experts within the expert-parallel rank;
 global names count over the whole model. Tensor parallelism splits along the parameter's
-`partition_dim`; Megatron's fused gate/up (`linear_fc1` under a gated linear unit) is split per
-half, so each rank holds [gate_r; up_r], never a contiguous slice of [gate; up].
+`partition_dim`. Fused tensors made of sections are split per section, so each rank holds
+[a_r; b_r; ...], never a contiguous slice of [a; b; ...]: Megatron's gate/up (`linear_fc1` under a
+gated linear unit) has two equal halves; other modules name their sections on the parameter
+(`TP_SECTIONS_ATTR`, e.g. Gated DeltaNet's fused in_proj [q; k; v; z; beta; alpha] and conv1d).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ..megatron.actor import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+TP_SECTIONS_ATTR = "tp_split_sections"
+"""Parameter attribute: this rank's section sizes along `partition_dim` (each section TP-split)."""
 
 
 @dataclass
@@ -32,7 +36,8 @@ class LocalParam:
     layer: int | None
     is_expert: bool
     tp_dim: int | None
-    glu: bool
+    sections: tuple[int, ...] | None
+    """Local section sizes along `tp_dim` when the tensor is fused from separately split parts."""
 
     @property
     def tp_group(self) -> Any:
@@ -76,17 +81,30 @@ def local_params(model: torch.nn.Module) -> list[LocalParam]:
             expert = ps.get_expert_model_parallel_rank() * num_local + int(e.group(1))
             global_name = global_name[:e.start()] + f".local_experts.{expert}." + global_name[e.end():]
         tp_dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
-        glu = bool(config.gated_linear_unit) and global_name.endswith("linear_fc1.weight")
-        out.append(LocalParam(name, global_name, param, layer, e is not None, tp_dim, glu))
+        out.append(LocalParam(name, global_name, param, layer, e is not None, tp_dim,
+                              _sections(param, global_name, bool(config.gated_linear_unit), tp_dim)))
     return out
+
+
+def _sections(param: torch.Tensor, global_name: str, glu: bool, tp_dim: int | None) -> tuple[int, ...] | None:
+    if tp_dim is None:
+        return None
+    named = getattr(param, TP_SECTIONS_ATTR, None)
+    if named is not None:
+        return tuple(int(n) for n in named)
+    if glu and global_name.endswith("linear_fc1.weight"):
+        half = param.shape[tp_dim] // 2
+        return (half, half)
+    return None
 
 
 def shard(full: torch.Tensor, p: LocalParam) -> torch.Tensor:
     """This rank's slice of a full tensor."""
     if p.tp_dim is None or p.tp_size == 1:
         return full
-    if p.glu:
-        return torch.cat([h.chunk(p.tp_size, p.tp_dim)[p.tp_rank] for h in full.chunk(2, dim=0)], dim=0)
+    if p.sections is not None:
+        parts = torch.split(full, [n * p.tp_size for n in p.sections], dim=p.tp_dim)
+        return torch.cat([s.chunk(p.tp_size, p.tp_dim)[p.tp_rank] for s in parts], dim=p.tp_dim)
     return full.chunk(p.tp_size, p.tp_dim)[p.tp_rank]
 
 
@@ -97,9 +115,10 @@ def unshard(p: LocalParam) -> torch.Tensor:
         return local.clone()
     parts = [torch.empty_like(local) for _ in range(p.tp_size)]
     dist.all_gather(parts, local.contiguous(), group=p.tp_group)
-    if p.glu:
-        halves = [t.chunk(2, dim=0) for t in parts]
-        return torch.cat([torch.cat([h[i] for h in halves], dim=p.tp_dim) for i in range(2)], dim=0)
+    if p.sections is not None:
+        per_rank = [torch.split(t, list(p.sections), dim=p.tp_dim) for t in parts]
+        return torch.cat([torch.cat([r[i] for r in per_rank], dim=p.tp_dim) for i in range(len(p.sections))],
+                         dim=p.tp_dim)
     return torch.cat(parts, dim=p.tp_dim)
 
 
@@ -138,19 +157,31 @@ def gather_to_rank0(model: torch.nn.Module, layers: list[int | None]) -> Iterato
     for p in local_params(model):
         by_layer.setdefault(p.layer, []).append(p)
     world_rank = dist.get_rank()
+    device = next(unwrap(model).parameters()).device
     for layer in layers:
         mine = {}
         for p in by_layer.get(layer, []):
             full = unshard(p)
             if p.owns():
                 mine[p.global_name] = full
-        gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] \
-            if world_rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if world_rank == 0:
-            merged: dict[str, torch.Tensor] = {}
-            for part in gathered or []:
-                merged.update(part)
-            yield merged
-        else:
-            yield {}
+        yield _collect_on_rank0(mine, world_rank, device)
+
+
+def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every rank's tensors on rank 0. Only names, shapes and dtypes go through `gather_object`;
+    the data is sent point to point into buffers of the right shape, so rank 0 holds one copy of
+    the layer (gathering the tensors as objects costs their pickles plus a world-size buffer)."""
+    specs: list[list[tuple[str, tuple[int, ...], torch.dtype]]] | None = \
+        [[] for _ in range(dist.get_world_size())] if world_rank == 0 else None
+    dist.gather_object([(n, tuple(t.shape), t.dtype) for n, t in mine.items()], specs, dst=0)
+    if world_rank != 0:
+        for t in mine.values():
+            dist.send(t.contiguous(), dst=0)
+        return {}
+    merged = dict(mine)
+    assert specs is not None
+    for src in range(1, len(specs)):
+        for name, shape, dtype in specs[src]:
+            merged[name] = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(merged[name], src=src)
+    return merged

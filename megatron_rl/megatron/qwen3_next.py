@@ -1,0 +1,182 @@
+"""Qwen3-Next (Qwen3NextForCausalLM) on megatron-core 0.19: hybrid Gated DeltaNet / gated attention.
+
+The model is a GPTModel whose decoder block gets one layer spec per layer (a
+`TransformerBlockSubmodules` list): Gated DeltaNet (GDN) layers where HF's `layer_types` says
+"linear_attention", gated full attention (`attention_output_gate`) elsewhere, and MoE with a
+sigmoid-gated shared expert. Megatron's own hybrid builder
+(`get_transformer_block_with_experimental_attention_variant_spec`) asserts Transformer Engine, so the
+local (CPU) block is assembled here from the same pieces: the local GPT layer spec for attention and
+MLP, and GatedDeltaNet with plain ColumnParallel/RowParallel linears and a separate input norm in
+place of TE's fused norm+linear. With TE and CUDA the official builder is used (not testable here).
+
+Not supported: multi-token prediction (the `mtp.*` tensors of the released checkpoints are not
+loaded, as transformers does), THD packed sequences on CPU, context parallelism on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..model_config import num_experts
+from ..weights.qwen3_next import ARCH, LINEAR, layer_types
+from . import cpu_compat
+from .providers import ModelRecipe, ParallelLayout, _common_config, _moe_config, _recipe, provider, \
+    use_transformer_engine
+
+cpu_compat.apply()
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
+from megatron.core.transformer.transformer_block import (  # noqa: E402
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
+
+
+def partial_rotary_factor(hf: dict[str, Any]) -> float:
+    """Fraction of each head's dims that RoPE rotates (0.25 for every released Qwen3-Next)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise NotImplementedError(f"{ARCH}: rope type {rope.get('rope_type')!r} is not supported")
+    return float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25)))
+
+
+class Qwen3NextGatedDeltaNet(GatedDeltaNet):
+    """GatedDeltaNet whose fused tensors name their sections, so weight sync can split them over TP.
+
+    in_proj's rows are [q; k; v; z; beta; alpha] and conv1d's channels [q; k; v]; Megatron splits
+    each section over TP separately, so a contiguous TP slice of the full tensor would be wrong.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Imported here: weights.sharding imports the actor, which imports the providers.
+        from ..weights.sharding import TP_SECTIONS_ATTR
+
+        qk, v = self.qk_dim_local_tp, self.v_dim_local_tp
+        setattr(self.in_proj.weight, TP_SECTIONS_ATTR, tuple(self.in_proj_split_sections))
+        setattr(self.conv1d.weight, TP_SECTIONS_ATTR, (qk, qk, v))
+
+
+class GatedOutputNorm(cpu_compat.LocalRMSNorm):
+    """The RMSNorm inside GDN, before the SiLU(z) gate. HF's Qwen3NextRMSNormGated scales by w
+    (init 1), not by 1 + w as the model's other norms do, so this norm ignores
+    `layernorm_zero_centered_gamma`: its weight maps to HF unchanged, bit for bit. Pure torch, so
+    the TE spec uses it too (megatron's TE spec would build a zero-centred TENorm here).
+
+    Its weight is shared by all value heads while each TP rank sees only its own heads, so the
+    gradient is a sum over TP ranks: with sequence parallelism (which MoE + TP requires) the
+    `sequence_parallel` tag makes Megatron all-reduce it.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps, bool(config.sequence_parallel), zero_centered=False,
+                         dtype=config.params_dtype)
+
+
+def _local_gdn_spec() -> ModuleSpec:
+    return ModuleSpec(
+        module=Qwen3NextGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=GatedOutputNorm,
+                                           out_proj=RowParallelLinear),
+        # TE fuses the input norm into in_proj (TELayerNormColumnParallelLinear); a plain linear
+        # needs the layer's own input_layernorm.
+        metainfo={"fuse_input_layernorm": False},
+    )
+
+
+def _local_layer_specs(config: TransformerConfig, types: list[str]) -> list[ModuleSpec]:
+    """Every layer's spec from the local GPT layer spec, GDN swapped in for linear-attention layers."""
+    experts = config.num_moe_experts
+    moe = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                   normalization="RMSNorm")
+    dense = get_gpt_layer_local_spec(num_experts=None, qk_layernorm=True, normalization="RMSNorm")
+    freq = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else [1] * config.num_layers
+    gdn = _local_gdn_spec()
+    specs = []
+    for i, kind in enumerate(types):
+        base = moe if experts and freq[i] else dense
+        sub = base.submodules
+        if kind == LINEAR:
+            # Checkpoint keys as under TE, where the input norm lives in GDN's fused in_proj.
+            keys = dict(sub.sharded_state_dict_keys_map, **{"input_layernorm.": "self_attention.in_proj.layer_norm_"})
+            sub = dataclasses.replace(sub, self_attention=gdn, sharded_state_dict_keys_map=keys)
+        specs.append(ModuleSpec(module=base.module, submodules=sub))
+    return specs
+
+
+def _te_block_spec(config: TransformerConfig, vp_stage: int | None) -> TransformerBlockSubmodules:
+    """Megatron's hybrid builder (TE only), with our GDN class and its HF-style output norm.
+
+    Untested here (no GPU). Its parameter names differ from the local spec's where TE fuses the
+    input norms into the next linear (`linear_qkv.layer_norm_weight`, `in_proj.layer_norm_weight`,
+    `linear_fc1.layer_norm_weight`), which the weight map, like the Qwen3 ones, does not cover yet.
+    """
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec,
+    )
+
+    block = get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage)
+    for spec in block.layer_specs:
+        attn = spec.submodules.self_attention
+        if isinstance(attn, ModuleSpec) and attn.module is GatedDeltaNet:
+            attn.module = Qwen3NextGatedDeltaNet
+            attn.submodules.out_norm = GatedOutputNorm
+    return block
+
+
+def block_spec(config: TransformerConfig, types: list[str], vp_stage: int | None = None
+               ) -> TransformerBlockSubmodules:
+    """The layer specs of this rank's pipeline stage (parallel_state must be initialised)."""
+    if use_transformer_engine():
+        return _te_block_spec(config, vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    layers = _local_layer_specs(config, types)[offset:offset + count]
+    # Final norm: the same (zero-centred, via config) RMSNorm as the local GPT spec uses.
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=WrappedTorchNorm)
+
+
+def qwen3_next_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> TransformerConfig:
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
+        raise NotImplementedError(f"{ARCH}: only silu and bias-free attention are supported")
+    types = layer_types(hf)
+    fields = dict(
+        **_common_config(hf, layout, dtype),
+        # Qwen3NextRMSNorm computes x̂ · (1 + w): the input, post-attention, q/k and final norms.
+        layernorm_zero_centered_gamma=True,
+        attention_output_gate=True,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=[int(t == LINEAR) for t in types],
+        linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4),
+        linear_key_head_dim=hf["linear_key_head_dim"],
+        linear_value_head_dim=hf["linear_value_head_dim"],
+        linear_num_key_heads=hf["linear_num_key_heads"],
+        linear_num_value_heads=hf["linear_num_value_heads"],
+        # Without CUDA the FLA Triton kernels cannot run; deterministic mode selects megatron's torch
+        # delta rule and F.conv1d (cpu_compat only lets GatedDeltaNet construct without FLA).
+        deterministic_mode=cpu_compat.cuda_absent(),
+    )
+    if num_experts(hf):
+        fields.update(_moe_config(hf, layout))
+        if hf.get("shared_expert_intermediate_size"):
+            fields.update(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                          moe_shared_expert_gate=True)   # sigmoid(x · w_gate) scales the shared expert
+    return TransformerConfig(**fields)
+
+
+@provider(ARCH)
+def qwen3_next(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+    config = qwen3_next_config(hf, layout, dtype)
+    types = layer_types(hf)
+    recipe = _recipe(hf, config, lambda vp_stage: block_spec(config, types, vp_stage))
+    recipe.rotary_percent = partial_rotary_factor(hf)
+    return recipe

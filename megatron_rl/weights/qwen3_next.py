@@ -1,0 +1,114 @@
+"""Weight map of Qwen3NextForCausalLM, local (non-TE) spec names.
+
+HF names are those transformers 5.19 writes with `save_pretrained` (experts per expert on disk,
+although fused in memory). Layouts that differ between the two sides:
+- gated attention: HF's q_proj rows are [q_h; gate_h] per head; Megatron's linear_qkv is grouped
+  per query group as [q heads; gate heads; k; v].
+- Gated DeltaNet: HF groups in_proj_qkvz as [q; k; v; z] and in_proj_ba as [b; a] per *key* head;
+  Megatron's in_proj is sectioned [q; k; v; z; beta; alpha], each section in head order.
+Everything else maps one to one: the zero-centred norms store the same w on both sides (y = x̂·(1+w)),
+and the GDN output norm is built plain-scale (see megatron/qwen3_next.py), so nothing is offset by 1
+and a round trip is bit-identical. `mtp.*` tensors of released checkpoints are not mapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..model_config import head_dim
+from .adapters import Entry, Merge, Split, Tensor, WeightAdapter, interleave_groups, register_adapter, \
+    split_groups
+from .qwen3 import attention_entries, global_entries, mlp_entries, moe_layer, swiglu_entries
+
+ARCH = "Qwen3NextForCausalLM"
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def layer_types(hf: dict[str, Any]) -> list[str]:
+    """Per-layer token mixer. Released configs give `full_attention_interval` (every N-th layer is
+    full attention); transformers 5 writes the expanded `layer_types`. Shared with the provider."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+    if len(types) != n or set(types) - {LINEAR, FULL}:
+        raise ValueError(f"{ARCH}: layer_types must be {n} of {LINEAR!r}/{FULL!r}, got {types}")
+    return list(types)
+
+
+def gated_qkv_merge(hf: dict[str, Any]) -> tuple[Merge, Split]:
+    """(q_proj with interleaved gate, k_proj, v_proj) ↔ Megatron's gated linear_qkv."""
+    heads, groups, dim = hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf)
+    per_group = heads // groups
+
+    def merge(ts: list[Tensor]) -> Tensor:
+        q, gate = split_groups(ts[0], heads, [dim, dim])
+        return interleave_groups([q, gate, ts[1], ts[2]], groups)
+
+    def split(t: Tensor) -> list[Tensor]:
+        q, gate, k, v = split_groups(t, groups, [per_group * dim, per_group * dim, dim, dim])
+        return [interleave_groups([q, gate], heads), k, v]
+
+    return merge, split
+
+
+def gdn_in_proj_merge(hf: dict[str, Any]) -> tuple[Merge, Split]:
+    """(in_proj_qkvz, in_proj_ba) grouped per key head ↔ Megatron's sectioned in_proj."""
+    k_heads, v_heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+    dk, dv = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+    ratio = v_heads // k_heads   # value heads per key head
+
+    def merge(ts: list[Tensor]) -> Tensor:
+        q, k, v, z = split_groups(ts[0], k_heads, [dk, dk, ratio * dv, ratio * dv])
+        b, a = split_groups(ts[1], k_heads, [ratio, ratio])
+        return torch.cat([q, k, v, z, b, a], dim=0)
+
+    def split(t: Tensor) -> list[Tensor]:
+        q, k, v, z, b, a = torch.split(t, [k_heads * dk] * 2 + [v_heads * dv] * 2 + [v_heads] * 2, dim=0)
+        return [interleave_groups([q, k, v, z], k_heads), interleave_groups([b, a], k_heads)]
+
+    return merge, split
+
+
+def gdn_entries(hf: dict[str, Any], i: int) -> list[Entry]:
+    hf_a, mc_a = f"model.layers.{i}.linear_attn", f"decoder.layers.{i}.self_attention"
+    merge, split = gdn_in_proj_merge(hf)
+    out = [Entry(f"{mc_a}.in_proj.weight", (f"{hf_a}.in_proj_qkvz.weight", f"{hf_a}.in_proj_ba.weight"),
+                 i, merge, split)]
+    same = {"conv1d.weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
+            "out_norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}
+    out += [Entry(f"{mc_a}.{mc}", (f"{hf_a}.{name}",), i) for mc, name in same.items()]
+    return out
+
+
+def gated_attention_entries(hf: dict[str, Any], i: int) -> list[Entry]:
+    """Qwen3's attention entries, with the fused q/gate/k/v projection in place of q/k/v."""
+    hf_a, mc_a = f"model.layers.{i}.self_attn", f"decoder.layers.{i}.self_attention"
+    plain = attention_entries(hf, i, hf_a, mc_a)
+    merge, split = gated_qkv_merge(hf)
+    qkv = Entry(plain[0].mcore, plain[0].hf, i, merge, split)
+    return [qkv] + [e for e in plain if e.mcore != qkv.mcore]
+
+
+def shared_expert_entries(hf: dict[str, Any], i: int) -> list[Entry]:
+    if not (moe_layer(hf, i) and hf.get("shared_expert_intermediate_size")):
+        return []
+    hf_mlp, mc_mlp = f"model.layers.{i}.mlp", f"decoder.layers.{i}.mlp"
+    return swiglu_entries(f"{hf_mlp}.shared_expert", f"{mc_mlp}.shared_experts", i) + [
+        Entry(f"{mc_mlp}.shared_experts.gate_weight", (f"{hf_mlp}.shared_expert_gate.weight",), i)]
+
+
+@register_adapter(ARCH)
+def qwen3_next_adapter(hf: dict[str, Any]) -> WeightAdapter:
+    entries = global_entries(hf, last=False)
+    for i, kind in enumerate(layer_types(hf)):
+        hf_l, mc_l = f"model.layers.{i}", f"decoder.layers.{i}"
+        entries.append(Entry(f"{mc_l}.input_layernorm.weight", (f"{hf_l}.input_layernorm.weight",), i))
+        entries += gdn_entries(hf, i) if kind == LINEAR else gated_attention_entries(hf, i)
+        entries.append(Entry(f"{mc_l}.pre_mlp_layernorm.weight", (f"{hf_l}.post_attention_layernorm.weight",), i))
+        entries += mlp_entries(hf, i) + shared_expert_entries(hf, i)
+    entries += global_entries(hf, last=True)
+    return WeightAdapter(hf, entries)
