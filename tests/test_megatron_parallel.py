@@ -55,3 +55,12 @@ def test_checkpoint_saved_at_one_layout_loads_at_others(tiny_moe: Path, tmp_path
     # Layouts whose dense/expert optimizer split matches the saver's restore the optimizer too.
     assert result["tp2_sp"]["optimizer_loaded"] and result["tp1"]["optimizer_loaded"]
     assert not result["ep2"]["optimizer_loaded"]               # reported, weights still loaded
+
+
+def test_non_finite_loss_skips_the_update(tiny_moe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "nan.json"
+    torchrun("nan_worker.py", str(tiny_moe), str(out))
+    r = json.loads(out.read_text())
+    assert r["bad_skipped"] == 1.0 and not r["bad_loss_finite"]
+    assert r["weights_unchanged_after_bad"]                # NaN never reached the weights
+    assert r["good_skipped"] == 0.0 and r["weights_changed_after_good"]

@@ -38,6 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     comp.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     comp.set_defaults(func=run_compare)
 
+    gen = verbs.add_parser("generate", help="raw-output predictions from a model via the rollout server")
+    gen.add_argument("--model", required=True, help="HF model directory (with tokenizer)")
+    gen.add_argument("--prompts", required=True, help="prompt JSONL (e.g. from `data prepare`)")
+    gen.add_argument("--out", required=True, help="output JSONL of {problem_id, output}")
+    gen.add_argument("--max-tokens", type=int, default=512, help="generated tokens per answer")
+    gen.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    gen.add_argument("--run-dir", default="runs/eval-generate", help="server log, address and token")
+    gen.set_defaults(func=run_generate)
+
 
 def _print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, ensure_ascii=False, indent=2)
@@ -61,6 +70,22 @@ def run_igakuqa(args: argparse.Namespace) -> int:
         _print_json(report)
     else:
         sys.stdout.write(render_markdown(report))
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_rl.data.schema import DataError
+    from megatron_rl.rollout.predict import predict
+    from megatron_rl.rollout.server import ServerError
+
+    try:
+        n = predict(args.model, args.prompts, Path(args.out), Path(args.run_dir), args.max_tokens, args.limit)
+    except (DataError, ServerError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {n} predictions to {args.out}")
     return 0
 
 

@@ -298,6 +298,9 @@ class SlurmConfig:
     """Requeue on preemption/node failure; the trainer resumes from its last checkpoint."""
     signal_before_s: int = spec(300, ge=0)
     """Seconds before the time limit at which SIGUSR1 asks the trainer to checkpoint and exit."""
+    gpus_per_node: int | None = spec(None, ge=0)
+    """GPUs requested per node (#SBATCH --gpus-per-node) and checked by the preflight; None =
+    parallelism.gpus_per_node, 0 = a CPU job (no GPU request, no GPU check, no `--nv`)."""
     master_port: int = spec(29500, ge=1, le=65535)
     """torchrun rendezvous port on the first node."""
     extra_sbatch: list[str] = spec(factory=list)
@@ -314,6 +317,9 @@ class ContainerConfig:
     """Path of the .sif image."""
     binds: list[str] = spec(factory=list)
     """Bind mounts 'src[:dst[:opts]]'."""
+    python: str | None = None
+    """Python that runs megatron-rl in the job; None = `python` inside the image, or the interpreter
+    that runs `megatron-rl sbatch` when runtime is 'none'."""
 
 
 @dataclass

@@ -151,6 +151,7 @@ class Session:
         if self.sft_order and extra.get("sft_order"):
             self.sft_order.load(extra["sft_order"])
         random.setstate(_decode_random_state(extra["py_random"]))
+        self.version = int(extra["version"])
         if self.rank0:
             print(f"[resume] from {latest} (step {extra['step']})", flush=True)
         return int(extra["step"])

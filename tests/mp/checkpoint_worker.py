@@ -30,15 +30,8 @@ def build(hf_dir: str, layout: ParallelLayout) -> Actor:
                  OptimSettings(lr=1e-3, total_steps=10), micro_batch_size=2)
 
 
-def logprobs(actor: Actor, batch) -> torch.Tensor:
-    out = actor.compute_logprobs(batch, temperature=1.0)
-    from megatron.core import parallel_state as ps
-    box = [out]
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp > 1:
-        src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
-        dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
-    return box[0]
+def logprobs(actor: Actor, batch) -> torch.Tensor:  # noqa: ANN001
+    return actor.compute_logprobs(batch, temperature=1.0)
 
 
 def main() -> None:

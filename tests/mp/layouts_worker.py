@@ -58,7 +58,6 @@ def run_layout(hf_dir: str, layout: ParallelLayout, objective: str) -> tuple[lis
     actor.optimizer.reload_model_params()   # the optimizer's fp32 master copy follows the loaded weights
     batch = make_batch(hf["vocab_size"])
     old = actor.compute_logprobs(batch, temperature=1.0)
-    old = _from_last_stage(old, batch)
     batch.old_logprobs = old
     batch.ref_logprobs = old.clone()
     losses = []
@@ -69,19 +68,6 @@ def run_layout(hf_dir: str, layout: ParallelLayout, objective: str) -> tuple[lis
     for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):
         weights.update(part)
     return losses, weights
-
-
-def _from_last_stage(t: torch.Tensor | None, batch: TrainBatch) -> torch.Tensor:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp == 1:
-        return t
-    box = [t]
-    src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(), pp - 1)
-    dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
-    return box[0]
 
 
 def main() -> None:

@@ -1,0 +1,356 @@
+"""Benchmark a full weight sync (Megatron actor → rollout server) through the CPU file transport.
+
+    .venv/bin/python bench/sync_bench.py [--dir /tmp/sync_bench] [--repeats 3] [--bucket-mb 512]
+                                         [--models tiny,large] [--json-out FILE]
+
+What is measured, per model ("tiny" = the tiny MoE of recipes/tiny, "large" = a random fp32
+Qwen3-MoE of ~491 MB built locally, exact size in the output):
+- One trainer process (world 1, gloo, `init_process_group()` + `init_parallel`), an `Actor` without
+  optimizer loaded from the HF checkpoint, and a real rollout server (vLLM, fp32, eager) on
+  127.0.0.1 started from the same checkpoint.
+- `sync_weights(...)` through `FileTransport` is run `--repeats` times (version 1, 2, ...); the
+  median and every run are reported. The transport and its control endpoint are wrapped with
+  timers, which splits each sync into:
+    begin        /pause + rpc mrl_begin_update;
+    gather       gather + HF-name conversion on the trainer (total − begin − send − finish);
+    serialize    safetensors save_file of the buckets into /dev/shm (send_bucket − its rpc);
+    add_rpc      rpc mrl_add_bucket (hand the path over);
+    reload       rpc mrl_finish_update: the server reads the buckets, runs vLLM's layer-wise
+                 reload and re-packs the CPU MoE experts;
+    reset/resume /reset_prefix_cache + /resume.
+  trainer_s = gather + serialize; server_s = reload (+ the control round trips, listed apart).
+  Also this process's CPU time and minor page faults per phase: on a shared 2-core machine a
+  phase whose CPU time is far below its wall time was waiting for a core, and a phase with ~n/4096
+  faults for n bytes paid for touching fresh memory.
+- Baselines on the same bytes (the actor's parameters, whose byte count equals what the sync
+  sends): same-process memcpy (`torch.empty_like(t).copy_(t)` over every tensor; "memcpy" frees
+  each copy at once, so its destination stays cache-warm, "memcpy_retained" keeps all copies, so
+  they land in fresh memory like the sync's buckets do), a raw write of
+  every tensor to one file in /dev/shm + read back into fresh tensors (the fair bound for a file
+  transport), and a safetensors save_file + safe_open round trip through /dev/shm (the format's
+  own cost). Each baseline is repeated `--repeats` times; medians are reported.
+- ratio_vs_memcpy / ratio_vs_shm = sync MB/s ÷ baseline MB/s (issue target: ≥ 0.5 of memcpy).
+MB = 10^6 bytes. The machine is shared: the load average is recorded before and after each model.
+Prints one JSON object (also written to --json-out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_rl.megatron.actor import Actor, init_parallel, unwrap  # noqa: E402  (applies cpu_compat first)
+from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from megatron_rl.weights.sync import sync_weights  # noqa: E402
+from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
+
+# ~491 MB fp32 Qwen3-MoE (all dims multiples of 32, head_dim 64). Exact count, see hf_param_count:
+# per layer q 1024·1024 + k,v 2·256·1024 + o 1024·1024 + q/k-norm 2·64 + 2 layer norms 2·1024
+# + router 8·1024 + experts 8·3·512·1024 = 15,214,720; × 8 layers = 121,717,760; + embed and
+# lm_head 2·512·1024 + final norm 1024 = 122,767,360 parameters = 491,069,440 bytes.
+# (8 experts × moe_intermediate 1024 would be ~0.89 GB, hence 512.) vocab 512 = the demo tokenizer.
+LARGE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
+    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512, "num_hidden_layers": 8,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "num_experts": 8,
+    "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 512,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+
+
+def hf_param_count(c: dict[str, Any]) -> int:
+    """Parameters of a Qwen3-MoE config with every layer sparse (decoder_sparse_step 1)."""
+    h, hd, q, kv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    e, f = c["num_experts"], c["moe_intermediate_size"]
+    layer = 2 * q * hd * h + 2 * kv * hd * h + 2 * hd + 2 * h + e * h + 3 * e * f * h
+    return c["num_hidden_layers"] * layer + 2 * c["vocab_size"] * h + h
+
+
+class TimedEndpoint:
+    """The server's control endpoint with every post/rpc timed by path or method."""
+
+    def __init__(self, server: Any, times: dict[str, float]) -> None:
+        self.server, self.times = server, times
+
+    def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
+             timeout: float = 600.0) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.server.post(path, body, params, timeout)
+        finally:
+            self.times[f"post {path}"] += time.perf_counter() - t
+
+    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
+        t = time.perf_counter()
+        try:
+            return self.server.rpc(method, *args, timeout=timeout)
+        finally:
+            self.times[f"rpc {method}"] += time.perf_counter() - t
+
+
+class TimedTransport:
+    """A transport with begin/send_bucket/finish/abort timed (wall, this process's CPU time, and
+    its minor page faults, to tell page-fault and CPU-starvation costs on a shared machine apart)."""
+
+    def __init__(self, inner: FileTransport, times: dict[str, float]) -> None:
+        self.inner, self.times = inner, times
+
+    def _timed(self, key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        before = _snapshot()
+        try:
+            return fn(*args)
+        finally:
+            for suffix, delta in zip(("", "_cpu", "_faults"), _delta(before)):
+                self.times[key + suffix] += delta
+
+    def begin(self, version: int) -> None:
+        self._timed("begin", self.inner.begin, version)
+
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._timed("send_bucket", self.inner.send_bucket, tensors)
+
+    def finish(self, names: list[str]) -> dict[str, Any]:
+        return self._timed("finish", self.inner.finish, names)
+
+    def abort(self) -> None:
+        self._timed("abort", self.inner.abort)
+
+
+def _snapshot() -> tuple[float, float, int]:
+    return time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _delta(before: tuple[float, float, int]) -> tuple[float, float, int]:
+    now = _snapshot()
+    return now[0] - before[0], now[1] - before[1], now[2] - before[2]
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def one_sync(actor: Any, adapter: Any, server: Any, version: int, bucket_bytes: int) -> dict[str, Any]:
+    times: dict[str, float] = defaultdict(float)
+    inner = FileTransport(TimedEndpoint(server, times))
+    transport = TimedTransport(inner, times)
+    try:
+        before = _snapshot()
+        report = sync_weights(actor.model, adapter, transport, version, bucket_bytes, torch.float32)
+        wall, cpu, faults = _delta(before)
+    finally:
+        inner.close()
+    assert report is not None
+    add_rpc = times["rpc mrl_add_bucket"]
+    serialize = times["send_bucket"] - add_rpc
+    gather = wall - times["begin"] - times["send_bucket"] - times["finish"]
+    reload = times["rpc mrl_finish_update"]
+    calls = ("begin", "send_bucket", "finish")
+    return {
+        "version": version, "bytes": report.bytes, "tensors": report.tensors, "buckets": report.buckets,
+        "total_s": wall, "mb_per_s": report.bytes / 1e6 / wall,
+        "begin_s": times["begin"], "pause_s": times["post /pause"],
+        "gather_convert_s": gather, "serialize_write_shm_s": serialize, "add_bucket_rpc_s": add_rpc,
+        "server_reload_s": reload, "reset_prefix_cache_s": times["post /reset_prefix_cache"],
+        "resume_s": times["post /resume"],
+        "trainer_s": gather + serialize, "server_s": reload,
+        "control_rpcs_s": wall - gather - serialize - reload,
+        "trainer_cpu_s": cpu, "gather_convert_cpu_s": cpu - sum(times[c + "_cpu"] for c in calls),
+        "send_bucket_cpu_s": times["send_bucket_cpu"],
+        "minor_faults": faults, "gather_convert_minor_faults": faults - sum(times[c + "_faults"] for c in calls),
+        "send_bucket_minor_faults": times["send_bucket_faults"],
+        "server_result": report.server,
+    }
+
+
+def memcpy_s(tensors: list[torch.Tensor]) -> float:
+    t = time.perf_counter()
+    for x in tensors:
+        torch.empty_like(x).copy_(x)
+    return time.perf_counter() - t
+
+
+def memcpy_retained_s(tensors: list[torch.Tensor]) -> float:
+    """The same copies, but every destination kept until the end: the copy really lands in fresh
+    memory (page faults included), as the sync's buckets do. The plain variant above frees each
+    destination at once, so the allocator hands the same cache-warm block back for the next one."""
+    t = time.perf_counter()
+    out = [torch.empty_like(x).copy_(x) for x in tensors]
+    elapsed = time.perf_counter() - t
+    del out
+    return elapsed
+
+
+def shm_roundtrip_s(tensors: list[torch.Tensor], directory: Path) -> tuple[float, float]:
+    """Raw bytes of every tensor into one /dev/shm file, then read back into fresh tensors."""
+    path = directory / "raw.bin"
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for x in tensors:
+            f.write(memoryview(x.contiguous().numpy()).cast("B"))
+    write = time.perf_counter() - t
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        for x in tensors:
+            out = torch.empty_like(x)
+            view = memoryview(out.numpy()).cast("B")
+            got = 0
+            while got < len(view):
+                got += f.readinto(view[got:])
+    read = time.perf_counter() - t
+    path.unlink()
+    return write, read
+
+
+def safetensors_roundtrip_s(tensors: list[torch.Tensor], directory: Path) -> tuple[float, float]:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = directory / "bucket.safetensors"
+    t = time.perf_counter()
+    save_file({f"t{i}": x.contiguous() for i, x in enumerate(tensors)}, str(path))
+    write = time.perf_counter() - t
+    t = time.perf_counter()
+    with safe_open(str(path), "pt") as f:
+        for name in f.keys():
+            f.get_tensor(name)
+    read = time.perf_counter() - t
+    path.unlink()
+    return write, read
+
+
+def baselines(tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
+    nbytes = sum(x.numel() * x.element_size() for x in tensors)
+    shm = Path(tempfile.mkdtemp(prefix="sync-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    try:
+        mem = [memcpy_s(tensors) for _ in range(repeats)]
+        mem_kept = [memcpy_retained_s(tensors) for _ in range(repeats)]
+        raw = [shm_roundtrip_s(tensors, shm) for _ in range(repeats)]
+        st = [safetensors_roundtrip_s(tensors, shm) for _ in range(repeats)]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+    def entry(runs: list[float], parts: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+        s = _median(runs)
+        out: dict[str, Any] = {"s": s, "mb_per_s": nbytes / 1e6 / s, "runs_s": runs}
+        if parts is not None:
+            out["write_s"] = _median([p[0] for p in parts])
+            out["read_s"] = _median([p[1] for p in parts])
+        return out
+
+    return {"bytes": nbytes, "memcpy": entry(mem), "memcpy_retained": entry(mem_kept),
+            "shm_file_write_read": entry([w + r for w, r in raw], raw),
+            "safetensors_shm_write_read": entry([w + r for w, r in st], st)}
+
+
+def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+    from tests.rollout_fixtures import start_server, tiny_model_with_tokenizer
+
+    load_before = os.getloadavg()
+    t = time.perf_counter()
+    model_dir = tiny_model_with_tokenizer(fields, work / name / "model", seed=4)
+    build_s = time.perf_counter() - t
+    hf = read_hf_config(str(model_dir))
+    adapter = adapter_for(hf)
+    init_parallel(ParallelLayout(), seed=1)
+    actor = Actor(build_model_recipe(hf, ParallelLayout(), torch.float32), None, 1)
+    load_hf_into_model(actor.model, str(model_dir))
+    params = [p.detach() for p in unwrap(actor.model).parameters()]
+    server = None
+    try:
+        t = time.perf_counter()
+        server = start_server(model_dir, work / name / "run")
+        startup_s = time.perf_counter() - t
+        t = time.perf_counter()
+        server.rpc("mrl_weight_version")
+        noop_rpc_s = time.perf_counter() - t
+        runs = [one_sync(actor, adapter, server, v, bucket_bytes) for v in range(1, repeats + 1)]
+        final_version = [int(v) for v in server.rpc("mrl_weight_version")]   # the rpc answers strings
+        assert final_version == [repeats], final_version
+    finally:
+        if server is not None:
+            server.stop()
+    base = baselines(params, repeats)
+    keys = [k for k in runs[0] if k.endswith(("_s", "_faults")) or k in ("mb_per_s", "minor_faults")]
+    median = {k: _median([r[k] for r in runs]) for k in keys}
+    sync_mbs = median["mb_per_s"]
+    result = {
+        "model": {"fields": fields, "dir": str(model_dir), "parameters": sum(p.numel() for p in params),
+                  "expected_parameters": hf_param_count(fields), "bytes": base["bytes"],
+                  "mb": base["bytes"] / 1e6, "dtype": "float32", "build_or_reuse_s": build_s},
+        "server_startup_s": startup_s, "noop_rpc_s": noop_rpc_s,
+        "sync_bytes": runs[0]["bytes"], "tensors": runs[0]["tensors"], "buckets": runs[0]["buckets"],
+        "bucket_bytes": bucket_bytes, "server_result": runs[-1]["server_result"],
+        "sync_median": median,
+        "sync_runs": [{k: v for k, v in r.items() if k != "server_result"} for r in runs],
+        "baselines": base,
+        "ratio_vs_memcpy": sync_mbs / base["memcpy"]["mb_per_s"],
+        "ratio_vs_memcpy_retained": sync_mbs / base["memcpy_retained"]["mb_per_s"],
+        "ratio_vs_shm_file": sync_mbs / base["shm_file_write_read"]["mb_per_s"],
+        "ratio_vs_safetensors_shm": sync_mbs / base["safetensors_shm_write_read"]["mb_per_s"],
+        "share_of_sync_time": {k: median[k] / median["total_s"] for k in
+                               ("gather_convert_s", "serialize_write_shm_s", "server_reload_s", "control_rpcs_s")},
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+    }
+    del actor, params
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "sync_bench",
+                    help="checkpoints and server run dirs (checkpoints are reused when unchanged)")
+    ap.add_argument("--models", default="tiny,large", help="comma list of: tiny, large")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=512, help="MiB per bucket (RolloutConfig.sync_bucket_mb default)")
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args()
+    # SIGTERM → SystemExit, so the finally blocks stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    import torch.distributed as dist
+
+    from megatron_rl.train.setup import init_process_group
+    from tests.rollout_fixtures import TINY_MOE
+
+    specs = {"tiny": TINY_MOE, "large": LARGE}
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"benchmark": "weight_sync_file_transport", "repeats": args.repeats,
+                           "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                           "loadavg_start": os.getloadavg(), "models": {}}
+    init_process_group()
+    try:
+        for name in args.models.split(","):
+            out["models"][name] = bench_model(name, specs[name], args.dir, args.repeats, args.bucket_mb << 20)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out["loadavg_end"] = os.getloadavg()
+    out["wall_s"] = time.perf_counter() - t0
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json_out is not None:
+        args.json_out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

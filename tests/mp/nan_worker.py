@@ -1,0 +1,59 @@
+"""torchrun worker: a non-finite loss skips the optimizer update and leaves weights and Adam
+state untouched; the next finite step updates normally. Writes a JSON report from rank 0."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
+from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
+from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from layouts_worker import LAYOUTS, make_batch  # noqa: E402
+
+
+def snapshot(actor: Actor) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in actor.model.parameters()]
+
+
+def main() -> None:
+    hf_dir, out = sys.argv[1:3]
+    init_parallel(LAYOUTS["tp2_sp"], seed=1)
+    hf = read_hf_config(hf_dir)
+    actor = Actor(build_model_recipe(hf, LAYOUTS["tp2_sp"], torch.float32), OptimSettings(lr=1e-3, total_steps=5), 2)
+    load_hf_into_model(actor.model, hf_dir)
+    actor.optimizer.reload_model_params()
+    batch = make_batch(hf["vocab_size"])
+    batch.old_logprobs = actor.compute_logprobs(batch, 1.0)
+    before = snapshot(actor)
+    bad = make_batch(hf["vocab_size"])
+    bad.old_logprobs = batch.old_logprobs
+    bad.advantages = batch.advantages.clone()
+    bad.advantages[3] = math.nan
+    m_bad = actor.train_step(bad, ObjectiveConfig(), "grpo", 1.0, 0)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
+    lr_after_bad = m_bad["lr"]
+    m_good = actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 0)
+    changed = any(not torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({
+            "bad_skipped": m_bad["update_skipped"], "bad_loss_finite": math.isfinite(m_bad["loss/total"]),
+            "weights_unchanged_after_bad": unchanged, "good_skipped": m_good["update_skipped"],
+            "weights_changed_after_good": changed, "lr_after_bad": lr_after_bad}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
