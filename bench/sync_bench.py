@@ -24,12 +24,16 @@ Qwen3-MoE of ~491 MB built locally, exact size in the output):
   faults for n bytes paid for touching fresh memory.
 - Baselines on the same bytes (the actor's parameters, whose byte count equals what the sync
   sends): same-process memcpy (`torch.empty_like(t).copy_(t)` over every tensor; "memcpy" frees
-  each copy at once, so its destination stays cache-warm, "memcpy_retained" keeps all copies, so
-  they land in fresh memory like the sync's buckets do), a raw write of
-  every tensor to one file in /dev/shm + read back into fresh tensors (the fair bound for a file
-  transport), and a safetensors save_file + safe_open round trip through /dev/shm (the format's
-  own cost). Each baseline is repeated `--repeats` times; medians are reported.
-- ratio_vs_memcpy / ratio_vs_shm = sync MB/s ÷ baseline MB/s (issue target: ≥ 0.5 of memcpy).
+  each copy at once, so the allocator may hand the same, already mapped block back;
+  "memcpy_retained" keeps all copies, like the sync's bucket does), a raw write of every tensor to
+  one file in /dev/shm + read back into fresh tensors (the fair bound for a file transport), and
+  a safetensors save_file + safe_open round trip through /dev/shm (the format's own cost; the
+  read clones each tensor, since safe_open maps the file and touches nothing). Minor page
+  faults are recorded for each.
+- Each sync is followed at once by one round of the baselines (memory bandwidth on a shared VM
+  swings by >10x within seconds); ratios_paired_median = median over repeats of (sync MB/s ÷
+  baseline MB/s of the same round), ratios_of_medians = median sync MB/s ÷ median baseline MB/s.
+  Issue target: ≥ 0.5 of memcpy.
 MB = 10^6 bytes. The machine is shared: the load average is recorded before and after each model.
 Prints one JSON object (also written to --json-out).
 """
@@ -192,7 +196,7 @@ def memcpy_s(tensors: list[torch.Tensor]) -> float:
 def memcpy_retained_s(tensors: list[torch.Tensor]) -> float:
     """The same copies, but every destination kept until the end: the copy really lands in fresh
     memory (page faults included), as the sync's buckets do. The plain variant above frees each
-    destination at once, so the allocator hands the same cache-warm block back for the next one."""
+    destination at once, so the allocator may hand the same mapped block back for the next one."""
     t = time.perf_counter()
     out = [torch.empty_like(x).copy_(x) for x in tensors]
     elapsed = time.perf_counter() - t
@@ -232,34 +236,39 @@ def safetensors_roundtrip_s(tensors: list[torch.Tensor], directory: Path) -> tup
     t = time.perf_counter()
     with safe_open(str(path), "pt") as f:
         for name in f.keys():
-            f.get_tensor(name)
+            f.get_tensor(name).clone()     # get_tensor maps the file; clone reads every byte
     read = time.perf_counter() - t
     path.unlink()
     return write, read
 
 
-def baselines(tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
-    nbytes = sum(x.numel() * x.element_size() for x in tensors)
-    shm = Path(tempfile.mkdtemp(prefix="sync-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    try:
-        mem = [memcpy_s(tensors) for _ in range(repeats)]
-        mem_kept = [memcpy_retained_s(tensors) for _ in range(repeats)]
-        raw = [shm_roundtrip_s(tensors, shm) for _ in range(repeats)]
-        st = [safetensors_roundtrip_s(tensors, shm) for _ in range(repeats)]
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+BASELINES = ("memcpy", "memcpy_retained", "shm_file_write_read", "safetensors_shm_write_read")
 
-    def entry(runs: list[float], parts: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+
+def baseline_round(tensors: list[torch.Tensor], shm: Path) -> dict[str, tuple[float, float, float, int]]:
+    """One timing of every baseline: name → (total s, write s, read s, minor page faults)."""
+    out: dict[str, tuple[float, float, float, int]] = {}
+    for name, fn in (("memcpy", memcpy_s), ("memcpy_retained", memcpy_retained_s),
+                     ("shm_file_write_read", lambda ts: shm_roundtrip_s(ts, shm)),
+                     ("safetensors_shm_write_read", lambda ts: safetensors_roundtrip_s(ts, shm))):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        got = fn(tensors)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        out[name] = (got, 0.0, 0.0, faults) if isinstance(got, float) else (sum(got), got[0], got[1], faults)
+    return out
+
+
+def summarize_baselines(rounds: list[dict[str, tuple[float, float, float, int]]], nbytes: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"bytes": nbytes}
+    for name in BASELINES:
+        runs = [r[name][0] for r in rounds]
         s = _median(runs)
-        out: dict[str, Any] = {"s": s, "mb_per_s": nbytes / 1e6 / s, "runs_s": runs}
-        if parts is not None:
-            out["write_s"] = _median([p[0] for p in parts])
-            out["read_s"] = _median([p[1] for p in parts])
-        return out
-
-    return {"bytes": nbytes, "memcpy": entry(mem), "memcpy_retained": entry(mem_kept),
-            "shm_file_write_read": entry([w + r for w, r in raw], raw),
-            "safetensors_shm_write_read": entry([w + r for w, r in st], st)}
+        out[name] = {"s": s, "mb_per_s": nbytes / 1e6 / s, "runs_s": runs,
+                     "runs_minor_faults": [r[name][3] for r in rounds]}
+        if not name.startswith("memcpy"):
+            out[name]["write_s"] = _median([r[name][1] for r in rounds])
+            out[name]["read_s"] = _median([r[name][2] for r in rounds])
+    return out
 
 
 def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, bucket_bytes: int) -> dict[str, Any]:
@@ -283,13 +292,26 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
         t = time.perf_counter()
         server.rpc("mrl_weight_version")
         noop_rpc_s = time.perf_counter() - t
-        runs = [one_sync(actor, adapter, server, v, bucket_bytes) for v in range(1, repeats + 1)]
+        # Memory bandwidth on this shared VM swings by >10x within seconds, so each sync is paired
+        # with a round of baselines right after it (the server idles meanwhile), and the ratios are
+        # taken per pair before the median.
+        runs, rounds = [], []
+        shm = Path(tempfile.mkdtemp(prefix="sync-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        try:
+            for v in range(1, repeats + 1):
+                runs.append(one_sync(actor, adapter, server, v, bucket_bytes))
+                rounds.append(baseline_round(params, shm))
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
         final_version = [int(v) for v in server.rpc("mrl_weight_version")]   # the rpc answers strings
         assert final_version == [repeats], final_version
     finally:
         if server is not None:
             server.stop()
-    base = baselines(params, repeats)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    base = summarize_baselines(rounds, nbytes)
+    paired = {f"ratio_vs_{name}": _median([r["mb_per_s"] / (nbytes / 1e6 / rnd[name][0])
+                                           for r, rnd in zip(runs, rounds)]) for name in BASELINES}
     keys = [k for k in runs[0] if k.endswith(("_s", "_faults")) or k in ("mb_per_s", "minor_faults")]
     median = {k: _median([r[k] for r in runs]) for k in keys}
     sync_mbs = median["mb_per_s"]
@@ -303,10 +325,8 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
         "sync_median": median,
         "sync_runs": [{k: v for k, v in r.items() if k != "server_result"} for r in runs],
         "baselines": base,
-        "ratio_vs_memcpy": sync_mbs / base["memcpy"]["mb_per_s"],
-        "ratio_vs_memcpy_retained": sync_mbs / base["memcpy_retained"]["mb_per_s"],
-        "ratio_vs_shm_file": sync_mbs / base["shm_file_write_read"]["mb_per_s"],
-        "ratio_vs_safetensors_shm": sync_mbs / base["safetensors_shm_write_read"]["mb_per_s"],
+        "ratios_paired_median": paired,
+        "ratios_of_medians": {f"ratio_vs_{name}": sync_mbs / base[name]["mb_per_s"] for name in BASELINES},
         "share_of_sync_time": {k: median[k] / median["total_s"] for k in
                                ("gather_convert_s", "serialize_write_shm_s", "server_reload_s", "control_rpcs_s")},
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

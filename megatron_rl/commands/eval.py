@@ -82,7 +82,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     try:
         n = predict(args.model, args.prompts, Path(args.out), Path(args.run_dir), args.max_tokens, args.limit)
-    except (DataError, ServerError, OSError) as exc:
+    except (DataError, ServerError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {n} predictions to {args.out}")

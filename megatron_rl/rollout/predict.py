@@ -27,6 +27,11 @@ def predict(model_dir: str, prompts_path: str, out_path: Path, run_dir: Path, ma
     ids = [list(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=True)["input_ids"]) for r in records]
     cfg = cfg or RolloutConfig(enforce_eager=True)
+    context = int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 4096))
+    too_long = [r.id for r, x in zip(records, ids) if len(x) + max_tokens > context]
+    if too_long:
+        raise ValueError(f"{len(too_long)} prompts do not fit the model's context of {context} tokens with "
+                         f"--max-tokens {max_tokens} (first: {too_long[:3]})")
     server = RolloutServer(model_dir, run_dir, cfg, max_model_len=max(len(x) for x in ids) + max_tokens)
     try:
         server.start()

@@ -242,7 +242,6 @@ def settings_lines(cfg: RecipeConfig, files: JobFiles) -> list[str]:
         ("CPUS_PER_TASK", str(s.cpus_per_task), "slurm.cpus_per_task"),
         ("MASTER_PORT", str(s.master_port), "slurm.master_port"),
         ("ROLLOUT_PORT", str(r.port), "rollout.port (0 = any free port)"),
-        ("SIGNAL_BEFORE_S", str(s.signal_before_s), "slurm.signal_before_s"),
         ("STARTUP_TIMEOUT_S", str(math.ceil(r.startup_timeout_s)), "rollout.startup_timeout_s"),
         ("REQUEUE", "1" if s.requeue else "0", "slurm.requeue"),
     ]
