@@ -85,7 +85,7 @@ def test_batch_divisibility() -> None:
     (msg,) = findings("grpo.yaml", "parallelism.gpus_per_node=4", "trainer.global_batch_size=48")["batch-sizes"]
     assert "DP × micro_batch_size = 4 × 8" in msg
     (msg,) = findings("grpo.yaml", "rollout.n=5")["batch-sizes"]
-    assert msg.startswith("error|rollout.n|") and "= 32" in msg
+    assert msg.startswith("error|rollout.n|") and "= 128" in msg
     assert "batch-sizes" not in findings("grpo.yaml", "rollout.n=16")
 
 

@@ -38,6 +38,17 @@ def run_train(recipe: str, out: Path, name: str, *extra: str) -> Path:
     return out / name
 
 
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -90,9 +101,11 @@ def test_kill_and_resume_continues_the_uninterrupted_run(tmp_path: Path) -> None
     deadline = time.monotonic() + 600
     while not marker.is_file() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)                        # trainer and its rollout server
+    os.killpg(proc.pid, signal.SIGKILL)                        # the trainer only: its server has its own group
     proc.wait()
     assert marker.is_file()
+    server_pid = json.loads((tmp_path / "killed" / "rollout" / "server.json").read_text())["pid"]
+    assert _gone(server_pid, within_s=30)                      # no orphaned server keeps running
     before = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     run = run_train("grpo.yaml", tmp_path, "killed", *common, "--resume")
     resumed = metrics(run)

@@ -23,7 +23,14 @@ if [[ $(id -u) -ne 0 ]]; then
 fi
 echo "[install] system packages: ${missing[*]} ..."
 export DEBIAN_FRONTEND=noninteractive
-"${sudo[@]}" apt-get update -qq
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 # No recommends: slurm-wlm's recommendations pull in mail and X11 bits the tests never use.
-"${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# apt's chatter goes to a log that is shown only when something fails.
+if ! { "${sudo[@]}" apt-get update -q && \
+       "${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "error: apt-get could not install ${missing[*]} (output above)" >&2
+    exit 1
+fi
 echo "[install] system packages done"

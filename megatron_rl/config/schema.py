@@ -289,7 +289,8 @@ class SlurmConfig:
     qos: str | None = None
     """Slurm QOS."""
     time_limit: str = "24:00:00"
-    """Wall-clock limit (#SBATCH --time)."""
+    """Wall-clock limit (#SBATCH --time): 'MM', 'HH:MM:SS', 'D-HH:MM:SS' or 'UNLIMITED'. Quote it in
+    YAML: an unquoted 24:00:00 is read as the number 86400."""
     job_name: str | None = None
     """Job name; None = the recipe's name."""
     cpus_per_task: int = spec(16, ge=1)

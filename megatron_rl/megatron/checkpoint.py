@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.core import dist_checkpointing
+# The actor import applies the CPU patches, which must precede the first megatron.core import.
+from .actor import Actor, unwrap  # isort: skip
 
-from .actor import Actor, unwrap
+from megatron.core import dist_checkpointing  # noqa: E402
 
 COMPLETE = "complete.json"
 

@@ -83,7 +83,7 @@ class RolloutServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ, VLLM_API_KEY=self.token, VLLM_SERVER_DEV_MODE="1",
-                   VLLM_CPU_KVCACHE_SPACE=str(self.cfg.cpu_kvcache_gb))
+                   VLLM_CPU_KVCACHE_SPACE=str(self.cfg.cpu_kvcache_gb), MRL_PARENT_PID=str(os.getpid()))
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
         return env
@@ -95,7 +95,8 @@ class RolloutServer:
         self.port = self.cfg.port or self.port or free_port(self.cfg.host)
         self.rollout_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.rollout_dir / "server.log", "ab")
-        # A new session: the server's engine processes die with it on stop(), not with our terminal.
+        # A new session, so stop() can kill the server's whole process group (API server, engine
+        # core, workers); server_main watches MRL_PARENT_PID and kills that group if we die.
         self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.wait_healthy()

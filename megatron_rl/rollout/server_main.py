@@ -8,7 +8,11 @@ VLLM_API_KEY (never on the command line, where `ps` would show it).
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
+import time
 
 OPEN_PATHS = ("/health", "/ping")
 
@@ -29,11 +33,28 @@ def _guard_every_route() -> None:
     authenticate.AuthenticationMiddleware.__call__ = call
 
 
-def main() -> None:
-    import os
+def _watch_parent() -> None:
+    """If the process that started us dies (even by SIGKILL), take our whole process group down:
+    an orphaned server would hold a CPU and gigabytes of memory until someone notices."""
+    parent = int(os.environ.get("MRL_PARENT_PID", "0"))
+    if parent <= 0:
+        return
 
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def main() -> None:
     if not os.environ.get("VLLM_API_KEY"):
         sys.exit("error: VLLM_API_KEY must hold the run's secret token")
+    _watch_parent()
     _guard_every_route()
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
 

@@ -21,6 +21,7 @@ class ScoredRollout:
     format_ok: torch.Tensor
     response_lengths: torch.Tensor
     zero_variance_frac: float
+    group_size: int
 
 
 def score_groups(groups: Sequence[RolloutGroup], weights: dict[str, float],
@@ -36,9 +37,11 @@ def score_groups(groups: Sequence[RolloutGroup], weights: dict[str, float],
             g.reward_parts.append(parts)
 
 
-def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int, estimator: str,
-                mask_zero_variance: bool) -> ScoredRollout:
-    """Pad every prompt+response to `seq_len`; masks cover the response tokens' target positions."""
+def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int) -> ScoredRollout:
+    """Pad every prompt+response to `seq_len`; masks cover the response tokens' target positions.
+
+    Advantages are filled in by `set_advantages` once the rewards are final (a KL-in-reward
+    penalty needs the reference log-probs of this very batch first)."""
     samples = [s for g in groups for s in g.samples]
     n = len(samples)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
@@ -51,13 +54,29 @@ def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int, estim
         mask[i, start:stop] = 1.0
         rollout_lp[i, start:stop] = torch.tensor(s.response_logprobs[:stop - start])
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
-    adv = compute_advantages(rewards, group_size=len(groups[0].samples), estimator=estimator,
-                             drop_zero_variance=mask_zero_variance)
-    if mask_zero_variance and adv.sample_mask is not None:
-        mask = mask * adv.sample_mask.to(mask.dtype).unsqueeze(1)
     names = sorted(groups[0].reward_parts[0]) if groups and groups[0].reward_parts else []
     parts = {k: torch.tensor([p[k] for g in groups for p in g.reward_parts]) for k in names}
     fmt = torch.tensor([extract_answer(s.text) is not None for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    batch = TrainBatch(tokens=tokens, mask=mask, advantages=adv.advantages.float(), rollout_logprobs=rollout_lp)
-    return ScoredRollout(batch, rewards, parts, fmt, lengths, adv.frac_zero_variance)
+    batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(n), rollout_logprobs=rollout_lp)
+    return ScoredRollout(batch, rewards, parts, fmt, lengths, 0.0, len(groups[0].samples))
+
+
+def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float) -> torch.Tensor:
+    """β · Σ_t KL_t(π_old ‖ π_ref) per sample, for KL applied to the reward instead of the loss."""
+    from ..objectives import kl_estimate
+
+    kl = kl_estimate(batch.old_logprobs.double(), batch.ref_logprobs.double(), estimator, clamp, 20.0)
+    return beta * (kl * batch.mask).sum(dim=1)
+
+
+def set_advantages(scored: ScoredRollout, estimator: str, mask_zero_variance: bool,
+                   penalty: torch.Tensor | None = None) -> None:
+    """Group-relative advantages from the (penalised) rewards; optionally drop flat groups."""
+    rewards = scored.rewards if penalty is None else scored.rewards - penalty
+    adv = compute_advantages(rewards, group_size=scored.group_size, estimator=estimator,
+                             drop_zero_variance=mask_zero_variance)
+    scored.batch.advantages = adv.advantages.float()
+    if mask_zero_variance and adv.sample_mask is not None:
+        scored.batch.mask = scored.batch.mask * adv.sample_mask.to(scored.batch.mask.dtype).unsqueeze(1)
+    scored.zero_variance_frac = adv.frac_zero_variance

@@ -4,13 +4,12 @@ log-probs → `steps_per_generation` updates → weight sync (+ verification) �
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
-from .batch import build_batch, score_groups
+from .batch import build_batch, kl_penalty, score_groups, set_advantages
 from .metrics_log import MetricsLog, console_line
 from .rollout_phase import generate_groups
 from .session import Session, Stop, timed
@@ -22,11 +21,8 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     init_process_group()
     run_dir = make_run_dir(cfg, resume)
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    prompts_per_step = t.global_batch_size * a.steps_per_generation // r.n
-    session = Session(cfg, run_dir, total_steps=0)
-    steps_per_epoch = math.ceil(len(session.prompts.records) / prompts_per_step)
-    total = t.max_steps or t.epochs * steps_per_epoch
-    session.actor.scheduler.lr_decay_steps = max(1, total * a.steps_per_generation)
+    session = Session(cfg, run_dir)
+    total, prompts_per_step = session.total_steps, session.prompts_per_step
     start = session.resume() if resume else 0
     log = MetricsLog(run_dir, start, cfg.logging.tensorboard, cfg.logging.wandb_project, run_dir.name, {})
     session.install_signal_handlers()
@@ -36,7 +32,11 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     objective = objective_config(cfg)
     try:
         session.start_server()
-        extra = {**session.sync(), **session.verify(probe)}
+        session.sync()
+        first = session.verify(probe)
+        if session.rank0:
+            print(f"[sync] initial weights verified: max |Δ log-prob| {first['sync/verify_max_abs_diff']:.2g}",
+                  flush=True)
         bad_in_row = 0
         for step in range(start + 1, total + 1):
             timings: dict[str, float] = {}
@@ -45,16 +45,18 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
                 groups = _rollout(session, indices, step)
             with timed(timings, "reward"):
                 score_groups(groups, cfg.rewards.weights, _decoder(session))
-                scored = build_batch(groups, seq_len, pad, a.advantage, a.mask_zero_variance_groups)
+                scored = build_batch(groups, seq_len, pad)
             batch = scored.batch
             with timed(timings, "logprobs"):
                 temperature = session.sampling().logprobs_temperature
                 batch.old_logprobs = session.actor.compute_logprobs(batch, temperature)
                 if session.reference is not None:
                     batch.ref_logprobs = session.reference.compute_logprobs(batch, temperature)
+            penalty = kl_penalty(batch, a.kl_beta, a.kl_estimator, a.kl_clamp) if a.kl_in_reward else None
+            set_advantages(scored, a.advantage, a.mask_zero_variance_groups, penalty)
             updates = []
             with timed(timings, "train"):
-                for i, mb in enumerate(minibatches(batch, a.steps_per_generation)):
+                for mb in minibatches(batch, a.steps_per_generation):
                     if session.sft is not None:
                         mb.sft_tokens, mb.sft_mask = sft_batch(session, seq_len, pad)
                     updates.append(session.actor.train_step(mb, objective, a.name, temperature, rl_step=step - 1))
@@ -67,6 +69,8 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
                 if r.verify_every and session.version % r.verify_every == 0:
                     extra.update(session.verify(probe))
             metrics = step_metrics(scored, batch, updates, timings, extra, session.version)
+            if penalty is not None:
+                metrics["kl_in_reward/mean"] = float(penalty.mean())
             metrics.update({"data/epoch": session.order.epoch, "data/position": session.order.position})
             log.log(step, metrics)
             if session.rank0 and step % cfg.logging.log_interval == 0:

@@ -45,7 +45,7 @@ def layout_of(cfg: RecipeConfig) -> ParallelLayout:
 
 
 class Session:
-    def __init__(self, cfg: RecipeConfig, run_dir: Path, total_steps: int) -> None:
+    def __init__(self, cfg: RecipeConfig, run_dir: Path) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.run_dir = cfg, run_dir
@@ -57,20 +57,22 @@ class Session:
         self.dtype = torch.bfloat16 if (cfg.model.params_dtype == "bf16" or
                                         (cfg.model.params_dtype == "auto" and torch.cuda.is_available())) \
             else torch.float32
-        init_parallel(layout_of(cfg), cfg.trainer.seed)
+        t, a = cfg.trainer, cfg.algorithm
+        self.prompts = load_prompts(_require(cfg.data.train_path, "data.train_path"), self.tokenizer,
+                                    cfg.rollout.max_prompt_length, cfg.data.on_malformed)
+        self.prompts_per_step = t.global_batch_size * a.steps_per_generation // cfg.rollout.n
+        self.total_steps = t.max_steps or t.epochs * math.ceil(len(self.prompts.records) / self.prompts_per_step)
+        updates = self.total_steps * a.steps_per_generation
+        init_parallel(layout_of(cfg), t.seed)
         recipe = build_model_recipe(self.hf, layout_of(cfg), self.dtype)
-        t = cfg.trainer
         optim = OptimSettings(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
                               adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
-                              warmup_steps=int(t.lr_warmup_ratio * total_steps * cfg.algorithm.steps_per_generation),
-                              total_steps=total_steps * cfg.algorithm.steps_per_generation,
+                              warmup_steps=int(t.lr_warmup_ratio * updates), total_steps=updates,
                               decay_style=t.lr_decay_style)
         self.actor = Actor(recipe, optim, t.micro_batch_size)
         load_hf_into_model(self.actor.model, self.hf_dir)
         self.actor.optimizer.reload_model_params()
-        self.reference = self._reference(recipe) if cfg.algorithm.kl_beta > 0 else None
-        self.prompts = load_prompts(_require(cfg.data.train_path, "data.train_path"), self.tokenizer,
-                                    cfg.rollout.max_prompt_length, cfg.data.on_malformed)
+        self.reference = self._reference(recipe) if a.kl_beta > 0 else None
         self.sft = load_sft_tokens(cfg.data.sft_path, self.tokenizer, cfg.data.on_malformed) \
             if cfg.algorithm.name == "chord" else None
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state as ps
+# The actor import applies the CPU patches, which must precede the first megatron.core import.
+from ..megatron.actor import unwrap  # isort: skip
 
-from ..megatron.actor import unwrap
+from megatron.core import parallel_state as ps  # noqa: E402
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")

@@ -31,7 +31,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from layouts_worker import OBJECTIVES, _from_last_stage, make_batch  # noqa: E402
+from layouts_worker import OBJECTIVES, make_batch  # noqa: E402
 
 LAYOUTS = {
     "tp1": ParallelLayout(),
@@ -102,7 +102,7 @@ def run_layout(hf_dir: str, layout: ParallelLayout, ref: dict[str, torch.Tensor]
     result: dict = {"max_logit_diff": logits_diff(actor, ref)}
     _, result["round_trip"] = round_trip(actor, hf_dir)
     batch = make_batch(hf["vocab_size"], rows=4, length=80)   # > 64: two chunks of the delta rule
-    batch.old_logprobs = _from_last_stage(actor.compute_logprobs(batch, temperature=1.0), batch)
+    batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)
     batch.ref_logprobs = batch.old_logprobs.clone()
     steps = [actor.train_step(batch, OBJECTIVES["grpo"], "grpo", 1.0, 0)]
     grads = step_one_grads(actor)

@@ -1,0 +1,124 @@
+"""Self-test of the megatron-rl image: Apptainer's %test, or
+`docker run --gpus all IMAGE python /opt/megatron-rl/containers/selftest.py`.
+
+1. every package the image installs from requirements/pins.txt imports, at the pinned version;
+2. the base image's apex imports (NVIDIA's apex is not on PyPI: the PyPI "apex" is another project);
+3. torch is a CUDA build with NCCL; with a GPU visible, a matmul on it and a one-rank NCCL
+   all-reduce run (without one, e.g. on a build host, those two are skipped and say so).
+
+Standard library + torch only at module level; Python 3.8+ (whatever the base image ships).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+from importlib import metadata
+from pathlib import Path
+
+CONTAINER_SCOPES = ("gpu", "both", "nodeps")
+# Distribution name (as in pins.txt, without extras) → module to import. A pin without an entry
+# fails tests/test_containers.py, so a new pin cannot skip the self-test.
+MODULES = {
+    "megatron-core": "megatron.core",
+    "transformers": "transformers",
+    "safetensors": "safetensors",
+    "pyyaml": "yaml",
+    "sentencepiece": "sentencepiece",
+    "psutil": "psutil",
+    "numpy": "numpy",
+    "packaging": "packaging",
+    "matplotlib": "matplotlib",
+    "vllm": "vllm",
+    "transformer-engine": "transformer_engine.pytorch",
+    "nvidia-modelopt": "modelopt",
+}
+# Provided by the base image, not pinned (see the module docstring).
+BASE_MODULES = ("torch", "apex", "megatron_rl", "megatron_rl.cli")
+
+
+def container_pins(pins_file: Path) -> dict[str, str]:
+    """{distribution: version} of the scopes the image installs, read from the one pin file."""
+    pins = {}
+    for line in pins_file.read_text(encoding="utf-8").splitlines():
+        fields = line.split()
+        if not fields or line.startswith("#") or len(fields) < 3 or fields[2] not in CONTAINER_SCOPES:
+            continue
+        name, _, version = fields[0].partition("==")
+        pins[name.split("[")[0]] = version
+    return pins
+
+
+def check_packages(pins: dict[str, str]) -> list[str]:
+    problems = []
+    for dist, version in sorted(pins.items()):
+        module = MODULES.get(dist)
+        if module is None:
+            problems.append(f"{dist}: no module to import listed in containers/selftest.py MODULES")
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001  (any import failure is the finding)
+            problems.append(f"{dist}: import {module} failed: {type(exc).__name__}: {exc}")
+            continue
+        installed = metadata.version(dist).split("+")[0]      # '2.9.0+cu13' is the pinned 2.9.0
+        if installed != version:
+            problems.append(f"{dist}: {installed} installed, requirements/pins.txt pins {version}")
+    for module in BASE_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"import {module} failed: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def check_cuda() -> list[str]:
+    import torch
+
+    if torch.version.cuda is None:
+        return [f"torch {torch.__version__} is not a CUDA build"]
+    try:
+        nccl = torch.cuda.nccl.version()
+    except Exception as exc:  # noqa: BLE001
+        return [f"NCCL not loadable: {exc}"]
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, nccl))}")
+    if not torch.cuda.is_available():
+        print("no GPU visible: GPU matmul and NCCL all-reduce skipped (run `apptainer test --nv IMAGE` on a GPU node)")
+        return []
+    x = torch.randn(256, 256, device="cuda")
+    if not torch.allclose((x @ torch.eye(256, device="cuda")), x):
+        return ["a matmul on the GPU gave a wrong result"]
+    return _nccl_all_reduce()
+
+
+def _nccl_all_reduce() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        t = torch.ones(4, device="cuda")
+        dist.all_reduce(t)
+        return [] if torch.equal(t, torch.ones(4, device="cuda")) else ["NCCL all-reduce gave a wrong result"]
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    home = Path(os.environ.get("MEGATRON_RL_HOME", Path(__file__).resolve().parents[1]))
+    problems = check_packages(container_pins(home / "requirements" / "pins.txt"))
+    problems += check_cuda() if not problems else []
+    for p in problems:
+        print(f"FAIL {p}", file=sys.stderr)
+    print("image self-test: " + ("FAILED" if problems else "ok"))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
