@@ -31,6 +31,7 @@ MODULES = {
     "numpy": "numpy",
     "packaging": "packaging",
     "matplotlib": "matplotlib",
+    "tensorboard": "tensorboard",
     "vllm": "vllm",
     "transformer-engine": "transformer_engine.pytorch",
     "nvidia-modelopt": "modelopt",

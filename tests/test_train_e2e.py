@@ -84,6 +84,7 @@ def test_short_runs_train_sync_and_log(recipe: str, extra: list[str], tmp_path: 
     if recipe == "gspo.yaml":
         assert any(r["clip_frac"] > 0 for r in rows)            # spg 2, ε 3e-4: the sequence clip acts
     assert (run / "recipe.resolved.yaml").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert (run / "checkpoints" / "step_00000003" / "complete.json").is_file()
     init, final = HFCheckpointReader(demo_assets()["model"]), HFCheckpointReader(run / "hf_export")
     assert sorted(init.names()) == sorted(final.names())

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-POLL_S = 2.0
+POLL_S = 1.0
 """How often the stop file is looked for; small against slurm.signal_before_s (minutes)."""
 
 
