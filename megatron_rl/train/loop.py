@@ -75,6 +75,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             log.log(step, metrics)
             if session.rank0 and step % cfg.logging.log_interval == 0:
                 print(console_line(step, total, metrics), flush=True)
+            session.agree_on_stop()
             interval = cfg.checkpoint.save_interval
             if (interval and step % interval == 0) or session.stop_signal or step == total:
                 session.save(step)

@@ -165,6 +165,14 @@ class Session:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, handler)
 
+    def agree_on_stop(self) -> None:
+        """Signals reach ranks at different moments; all ranks must stop (and save) at the same
+        step, or the collective checkpoint hangs. MAX-reduce the flag once per step."""
+        flag = torch.tensor([1.0 if self.stop_signal else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not self.stop_signal:
+            self.stop_signal = "stop requested on another rank"
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
