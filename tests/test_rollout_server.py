@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,18 +75,31 @@ def test_requests_without_the_run_token_are_refused(server: RolloutServer, path:
     assert oct((server.rollout_dir / "token").stat().st_mode & 0o777) == "0o600"
 
 
+class KillAfter(RolloutClient):
+    """Kills the server's whole process group right after the `after`-th answered request, so the
+    rest of the batch meets a dead server however fast this machine is today."""
+
+    def __init__(self, *args: object, victim: RolloutServer, after: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.victim, self.after, self.answered, self.killed_pid = victim, after, 0, None
+
+    async def _post(self, client: httpx.AsyncClient, path: str, body: dict) -> dict:
+        result = await super()._post(client, path, body)
+        self.answered += 1
+        if self.answered == self.after and self.killed_pid is None:
+            self.killed_pid = self.victim.proc.pid
+            os.killpg(self.killed_pid, signal.SIGKILL)
+        return result
+
+
 def test_killed_server_is_restarted_and_the_batch_completes(server: RolloutServer) -> None:
     s = SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16)
     batch = prompts(24)
-    client = RolloutClient(server.base_url, server.token, "policy", max_concurrency=2, max_retries=6,
-                           on_failure=ServerSupervisor(server, FileTransport(server)))
-    pid = server.proc.pid
-    killer = threading.Timer(0.5, lambda: os.killpg(pid, signal.SIGKILL))
-    killer.start()
-    started = time.monotonic()
+    client = KillAfter(server.base_url, server.token, "policy", max_concurrency=2, max_retries=6,
+                       on_failure=ServerSupervisor(server, FileTransport(server)), victim=server, after=3)
     got = client.generate(batch, s)
-    killer.join()
-    assert server.restarts == 1 and server.proc.pid != pid and time.monotonic() - started > 1
+    assert client.killed_pid is not None
+    assert server.restarts == 1 and server.proc.pid != client.killed_pid and server.healthy()
     # Every group exactly once, in prompt order, complete.
     assert len(got) == len(batch)
     for prompt, group in zip(batch, got):

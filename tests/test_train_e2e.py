@@ -67,7 +67,9 @@ def test_short_runs_train_sync_and_log(recipe: str, extra: list[str], tmp_path: 
     for r in rows:
         assert STEP_KEYS <= set(r), STEP_KEYS - set(r)
         assert r["sync/verify_max_abs_diff"] <= 1e-4           # the server generates with the trainer's weights
-        assert r["update_skipped"] == 0 and r["grad_norm"] > 0
+        assert r["update_skipped"] == 0
+        # GSPO's ε of 3e-4 can clip every sequence of the second minibatch: then its gradient is 0.
+        assert r["grad_norm"] > 0 or r["clip_frac"] >= 1.0 - 1e-9, r
     assert [r["weight_version"] for r in rows] == [2, 3, 4]
     if recipe == "chord.yaml":
         from megatron_rl.config import load_recipe
