@@ -70,7 +70,7 @@ def plot(run_dir: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["reward/mean"] for r in rows], label="reward (mean)")
     if "accuracy" in rows[0]:
-        ax.plot(steps, [r["accuracy"] for r in rows], label="accuracy")
+        ax.plot(steps, [r["accuracy"] for r in rows], "--", label="accuracy")
     ax.set_xlabel("step")
     ax.set_ylim(0, 1.05)
     ax.legend()
