@@ -45,6 +45,6 @@ def supervised_warmup(model_dir: Path, out_dir: Path, pairs: list[tuple[list[int
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.save_pretrained(out_dir)
     return losses
