@@ -68,8 +68,12 @@ def test_short_runs_train_sync_and_log(recipe: str, extra: list[str], tmp_path: 
         assert STEP_KEYS <= set(r), STEP_KEYS - set(r)
         assert r["sync/verify_max_abs_diff"] <= 1e-4           # the server generates with the trainer's weights
         assert r["update_skipped"] == 0
-        # GSPO's ε of 3e-4 can clip every sequence of the second minibatch: then its gradient is 0.
-        assert r["grad_norm"] > 0 or r["clip_frac"] >= 1.0 - 1e-9, r
+        if recipe != "gspo.yaml":
+            # One update per step on the whole batch: zero only if every group's rewards are equal.
+            assert r["grad_norm"] > 0 or r["zero_variance_group_frac"] == 1.0, r
+    # GSPO logs its second minibatch's update, whose sequences may all be clipped (ε 3e-4) or have
+    # zero advantage; across the run some update must still have moved the policy.
+    assert any(r["grad_norm"] > 0 for r in rows)
     assert [r["weight_version"] for r in rows] == [2, 3, 4]
     if recipe == "chord.yaml":
         from megatron_rl.config import load_recipe

@@ -133,3 +133,24 @@ def _sample_from_choice(prompt_ids: list[int], choice: dict[str, Any], version: 
     return Sample(prompt_ids=prompt_ids, response_ids=tokens,
                   response_logprobs=[float(x) for x in lp["token_logprobs"]], text=choice.get("text", ""),
                   finish_reason=choice.get("finish_reason") or "", weight_version=version)
+
+
+class MultiClient:
+    """Several rollout servers (disaggregated rollout nodes) behind one `generate`: prompts are
+    split into contiguous chunks, one per server, generated concurrently, and rejoined in order."""
+
+    def __init__(self, clients: Sequence[RolloutClient]) -> None:
+        self.clients = list(clients)
+
+    def generate(self, prompts: Sequence[list[int]], s: SamplingSettings,
+                 seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+        k = len(self.clients)
+        bounds = [len(prompts) * i // k for i in range(k + 1)]
+
+        async def run() -> list[list[Sample]]:
+            parts = await asyncio.gather(*(
+                c.generate_async(prompts[a:b], s, None if seeds is None else seeds[a:b])
+                for c, a, b in zip(self.clients, bounds, bounds[1:])))
+            return [group for part in parts for group in part]
+
+        return asyncio.run(run())

@@ -55,6 +55,20 @@ class RolloutServer:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     extra_args: list[str] = field(default_factory=list)
+    external: bool = False
+    """Started by someone else (e.g. the sbatch script on rollout nodes): never started or stopped here."""
+
+    @classmethod
+    def attach(cls, server_dir: Path, cfg: RolloutConfig) -> RolloutServer:
+        """A running server from its `<dir>/rollout/server.json` and `<dir>/rollout/token`."""
+        info = json.loads((server_dir / "rollout" / "server.json").read_text())
+        host_port = info["url"].split("//", 1)[1]
+        host, port = host_port.rsplit(":", 1)
+        server = cls(info["model"], server_dir, RolloutConfig(**{**cfg.__dict__, "host": host}), 0,
+                     token=(server_dir / "rollout" / "token").read_text().strip(), port=int(port), external=True)
+        if not server.healthy():
+            raise ServerError(f"rollout server at {server.base_url} (from {server_dir}) is not healthy")
+        return server
 
     @property
     def base_url(self) -> str:
@@ -89,6 +103,9 @@ class RolloutServer:
         return env
 
     def start(self) -> None:
+        if self.external:
+            raise ServerError(f"the external rollout server at {self.base_url} is down; the trainer does not "
+                              "restart servers it did not start (see its own log on the rollout node)")
         if not self.token:
             self.token = new_token(self.rollout_dir / "token")
         # A restart keeps the port, so clients holding the address keep working.
@@ -126,6 +143,8 @@ class RolloutServer:
             return False
 
     def alive(self) -> bool:
+        if self.external:
+            return self.healthy()
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
@@ -141,6 +160,8 @@ class RolloutServer:
         self.proc = None
 
     def restart(self) -> None:
+        if self.external:
+            self.start()            # raises: not ours to restart
         self.stop()
         self.restarts += 1
         self.start()

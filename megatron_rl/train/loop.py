@@ -93,7 +93,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
 def _rollout(session: Session, indices: list[int], step: int) -> list:
     box: list = [None]
     if session.rank0:
-        session.server.rpc("mrl_reseed", str((session.cfg.trainer.seed * 1_000_003 + step) % (2**31 - 1)))
+        session.reseed_servers(step)
         p = session.prompts
         box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],
                                  indices, session.sampling(), session.version)

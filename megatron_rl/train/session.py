@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
 import time
@@ -21,16 +22,19 @@ from ..megatron.actor import Actor, OptimSettings, init_parallel
 from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from ..megatron.providers import ParallelLayout, build_model_recipe
 from ..model_config import read_hf_config
-from ..rollout.client import RolloutClient, SamplingSettings
+from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
 from ..types import TrainBatch
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
-from ..weights.sync import sync_weights
+from ..weights.sync import FanoutTransport, sync_weights
 from ..weights.transport_file import FileTransport
 from .data_order import DataOrder
 from .rollout_phase import ServerSupervisor
 from .setup import load_prompts, load_sft_tokens
+
+
+EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 
 
 class Stop(Exception):
@@ -78,9 +82,11 @@ class Session:
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)
         self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
         self.version = 0
-        self.server: RolloutServer | None = None
-        self.transport: FileTransport | None = None
-        self.client: RolloutClient | None = None
+        self.servers: list[RolloutServer] = []
+        self.transports: list[FileTransport] = []
+        self.clients: list[RolloutClient] = []
+        self.transport: FileTransport | FanoutTransport | None = None
+        self.client: RolloutClient | MultiClient | None = None
         self.stop_signal: str | None = None
 
     def _reference(self, recipe: Any) -> Actor:
@@ -91,14 +97,31 @@ class Session:
 
     # ------------------------------------------------------------------ rollout server
     def start_server(self) -> None:
+        """Our own server on this node, or — when the sbatch script started servers on rollout
+        nodes — every server listed under $MEGATRON_RL_ROLLOUT_SERVERS (`*/rollout/server.json`)."""
         if not self.rank0:
             return
         r = self.cfg.rollout
-        self.server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length)
-        self.server.start()
-        self.transport = FileTransport(self.server)
-        self.client = RolloutClient(self.server.base_url, self.server.token, "policy", r.max_concurrency,
-                                    r.request_timeout_s, r.max_retries, ServerSupervisor(self.server, self.transport))
+        external = os.environ.get(EXTERNAL_SERVERS_ENV)
+        sync_root = None
+        if external:
+            found = sorted(Path(external).glob("*/rollout/server.json"))
+            if not found:
+                raise Stop(f"${EXTERNAL_SERVERS_ENV}={external}: no */rollout/server.json there")
+            self.servers = [RolloutServer.attach(p.parent.parent, r) for p in found]
+            sync_root = self.run_dir / "rollout" / "sync"       # shared with the rollout nodes
+            print(f"[rollout] using {len(self.servers)} external server(s): "
+                  + ", ".join(s.base_url for s in self.servers), flush=True)
+        else:
+            server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length)
+            server.start()
+            self.servers = [server]
+        self.transports = [FileTransport(s, sync_root) for s in self.servers]
+        self.clients = [RolloutClient(s.base_url, s.token, "policy", r.max_concurrency, r.request_timeout_s,
+                                      r.max_retries, ServerSupervisor(s, t))
+                        for s, t in zip(self.servers, self.transports)]
+        self.transport = self.transports[0] if len(self.transports) == 1 else FanoutTransport(self.transports)
+        self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)
 
     def sampling(self) -> SamplingSettings:
         r = self.cfg.rollout
@@ -120,11 +143,11 @@ class Session:
         diff = torch.zeros(())
         if self.rank0:
             seqs = [row[: int(m.nonzero().max()) + 2].tolist() for row, m in zip(probe.tokens, probe.mask)]
-            server_lp = self.client.prompt_logprobs(seqs)
-            for i, lp in enumerate(server_lp):
-                mask = probe.mask[i, :len(lp)] > 0
-                got = torch.tensor(lp)[mask]
-                diff = torch.maximum(diff, (got - trainer_lp[i, :len(lp)][mask]).abs().max())
+            for client in self.clients:                      # every server must agree
+                for i, lp in enumerate(client.prompt_logprobs(seqs)):
+                    mask = probe.mask[i, :len(lp)] > 0
+                    got = torch.tensor(lp)[mask]
+                    diff = torch.maximum(diff, (got - trainer_lp[i, :len(lp)][mask]).abs().max())
         dist.broadcast(diff, src=0)
         if float(diff) > self.cfg.rollout.verify_tolerance or not math.isfinite(float(diff)):
             raise Stop(f"weight-sync verification failed at version {self.version}: max |Δ log-prob| "
@@ -173,11 +196,16 @@ class Session:
         if flag.item() and not self.stop_signal:
             self.stop_signal = "stop requested on another rank"
 
+    def reseed_servers(self, step: int) -> None:
+        seed = (self.cfg.trainer.seed * 1_000_003 + step) % (2**31 - 1)
+        for server in self.servers:
+            server.rpc("mrl_reseed", str(seed))
+
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        if self.server is not None:
-            self.server.stop()
+        for transport in self.transports:
+            transport.close()
+        for server in self.servers:
+            server.stop()                                    # a no-op for external servers
 
 
 def _require(value: str | None, what: str) -> str:

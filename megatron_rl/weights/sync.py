@@ -27,6 +27,29 @@ class Transport(Protocol):
     def abort(self) -> None: ...
 
 
+class FanoutTransport:
+    """The same update to several servers (disaggregated rollout nodes), one after the other."""
+
+    def __init__(self, transports: list[Transport]) -> None:
+        self.transports = transports
+
+    def begin(self, version: int) -> None:
+        for t in self.transports:
+            t.begin(version)
+
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        for t in self.transports:
+            t.send_bucket(tensors)
+
+    def finish(self, names: list[str]) -> dict[str, Any]:
+        results = [t.finish(names) for t in self.transports]
+        return {**results[0], "servers": len(results)}
+
+    def abort(self) -> None:
+        for t in self.transports:
+            t.abort()
+
+
 @dataclass
 class SyncReport:
     version: int

@@ -38,8 +38,11 @@ class FileTransport:
     trainer ranks gathering again.
     """
 
-    def __init__(self, server: ControlEndpoint) -> None:
+    def __init__(self, server: ControlEndpoint, root: Path | None = None) -> None:
         self.server = server
+        # /dev/shm for a server on this host; a directory both sides see (the shared run dir)
+        # for servers on other nodes.
+        self.root = root
         self.dir: Path | None = None
         self.latest: tuple[int, Path, list[str]] | None = None
         self.version = 0
@@ -47,7 +50,9 @@ class FileTransport:
         self.bytes_sent = 0
 
     def begin(self, version: int) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix=f"megatron-rl-sync-v{version}-", dir=_shm_root()))
+        if self.root is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"megatron-rl-sync-v{version}-", dir=self.root or _shm_root()))
         self.version = version
         self.buckets = self.bytes_sent = 0
         self.server.post("/pause", params={"mode": "wait"})
