@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,18 +94,13 @@ def load_sft_tokens(path: str, tokenizer: Any, on_malformed: str) -> list[list[i
 def export_hf(actor_model: torch.nn.Module, adapter: Any, src_hf_dir: str, out_dir: Path) -> None:
     """Final HF export (collective; rank 0 writes) through the same weight map as the sync."""
     from ..weights.hf_io import HFCheckpointWriter
-    from ..weights.sharding import gather_to_rank0
+    from ..weights.sharding import gather_hf_layers
 
     writer = HFCheckpointWriter(out_dir) if dist.get_rank() == 0 else None
-    for part in gather_to_rank0(actor_model, adapter.layers()):
+    for layer in gather_hf_layers(actor_model, adapter):
         if writer is not None:
-            for name, tensor in part.items():
-                writer.add_many(adapter.to_hf(adapter.entry_for_mcore(name), tensor))
+            writer.add_many(layer)
     if writer is not None:
         writer.finish(side_files_from=src_hf_dir)
     dist.barrier()
 
-
-def copy_if_missing(src: Path, dst: Path) -> None:
-    if not dst.exists():
-        shutil.copytree(src, dst)

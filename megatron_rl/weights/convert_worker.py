@@ -39,7 +39,7 @@ from .adapters import Entry, WeightAdapter, adapter_for
 from .convert import HF_TO_MCORE, ConversionError, ConvertJob, ConvertLayout, stats_payload, write_error
 from .hf_io import SIDE_FILES, CheckpointError, HFCheckpointReader
 from .progress import ByteProgress
-from .sharding import LocalParam, gather_to_rank0, load_full_tensors, local_params
+from .sharding import LocalParam, gather_hf_layers, load_full_tensors, local_params
 from .stream_io import PlannedHFWriter, TensorInfo, checkpoint_tensor_infos, lossless_dtype
 
 HF_SUBDIR = "hf"
@@ -297,14 +297,13 @@ def _stream_to_hf(actor: Actor, adapter: WeightAdapter, plan: list[TensorInfo], 
     bar = ByteProgress("writing HF shards", sum(t.nbytes for t in plan), sys.stdout, job.progress and rank0)
     error: Exception | None = None
     try:
-        for part in gather_to_rank0(actor.model, adapter.layers()):
+        for layer in gather_hf_layers(actor.model, adapter):
             if writer is None or error is not None:
                 continue
             try:
-                for mcore_name, tensor in part.items():
-                    for name, piece in adapter.to_hf(adapter.entry_for_mcore(mcore_name), tensor):
-                        writer.add(name, piece.to(dtypes[name]))
-                        bar.update(piece.numel() * dtypes[name].itemsize)
+                for name, piece in layer:
+                    writer.add(name, piece.to(dtypes[name]))
+                    bar.update(piece.numel() * dtypes[name].itemsize)
             except Exception as exc:    # re-raised by _agree below
                 error = exc
         if writer is not None and error is None:

@@ -186,3 +186,14 @@ def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: to
             merged[name] = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(merged[name], src=src)
     return merged
+
+
+def gather_hf_layers(model: torch.nn.Module, adapter: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Per layer (global order), the full HF-named tensors on global rank 0 ([] elsewhere).
+
+    Collective over all ranks; the one path by which weights leave Megatron (sync, export,
+    conversion), so they all go through the same weight map.
+    """
+    for part in gather_to_rank0(model, adapter.layers()):
+        yield [pair for name, tensor in part.items()
+               for pair in adapter.to_hf(adapter.entry_for_mcore(name), tensor)]

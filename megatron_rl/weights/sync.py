@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .adapters import WeightAdapter
-from .sharding import gather_to_rank0
+from .sharding import gather_hf_layers
 
 
 class Transport(Protocol):
@@ -72,12 +72,11 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
     size = total = buckets = 0
     names: list[str] = []
     try:
-        for part in gather_to_rank0(model, adapter.layers()):
-            for mcore_name, tensor in part.items():
-                for hf_name, hf_tensor in adapter.to_hf(adapter.entry_for_mcore(mcore_name), tensor):
-                    bucket[hf_name] = hf_tensor.to(dtype)
-                    size += hf_tensor.numel() * bucket[hf_name].element_size()
-                    names.append(hf_name)
+        for layer in gather_hf_layers(model, adapter):
+            for hf_name, hf_tensor in layer:
+                bucket[hf_name] = hf_tensor.to(dtype)
+                size += hf_tensor.numel() * bucket[hf_name].element_size()
+                names.append(hf_name)
             if rank0 and size >= bucket_bytes:
                 transport.send_bucket(bucket)
                 total, buckets, bucket, size = total + size, buckets + 1, {}, 0
