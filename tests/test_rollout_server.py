@@ -63,7 +63,7 @@ def test_samples_and_logprobs_match_transformers_fp32(server: RolloutServer) -> 
 @pytest.mark.parametrize("path", ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache",
                                   "/v1/completions", "/v1/models"])
 def test_requests_without_the_run_token_are_refused(server: RolloutServer, path: str) -> None:
-    body = {"method": "mrl_begin_update", "args": ["99"]}
+    body = {"method": "mrl_update", "args": ["99", "{}"]}
     assert httpx.post(server.base_url + path, json=body, timeout=10).status_code == 401
     wrong = {"Authorization": "Bearer not-the-token"}
     assert httpx.post(server.base_url + path, json=body, headers=wrong, timeout=10).status_code == 401
@@ -104,3 +104,77 @@ def test_killed_server_is_restarted_and_the_batch_completes(server: RolloutServe
     assert len(got) == len(batch)
     for prompt, group in zip(batch, got):
         assert len(group) == 4 and all(x.prompt_ids == prompt and x.response_ids for x in group)
+
+
+def _hf_logprobs(state: dict[str, torch.Tensor], sequences: list[list[int]], work: Path) -> list[torch.Tensor]:
+    """float64 log-probs of every token after the first, from HF transformers on `state` (written
+    as a checkpoint: transformers 5 fuses MoE experts at load time, so state-dict names differ)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.weights.hf_io import HFCheckpointWriter
+
+    writer = HFCheckpointWriter(work)
+    writer.add_many(list(state.items()))
+    writer.finish(side_files_from=str(demo_assets()["model"]))
+    model = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            out.append(logp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1))
+    return out
+
+
+def _server_diff(server: RolloutServer, expected: list[torch.Tensor], sequences: list[list[int]]) -> float:
+    got = RolloutClient(server.base_url, server.token, "policy").prompt_logprobs(sequences)
+    return max((torch.tensor(g, dtype=torch.float64) - ref).abs().max().item() for g, ref in zip(got, expected))
+
+
+def _send(transport: FileTransport, version: int, state: dict[str, torch.Tensor]) -> dict:
+    transport.begin(version)
+    names = sorted(state)
+    for start in range(0, len(names), 7):             # a few tensors per hand-over, like layers
+        transport.send_bucket({n: state[n] for n in names[start:start + 7]})
+    return transport.finish(names)
+
+
+def test_synced_weights_survive_a_restart_and_an_aborted_update_is_not_resent(server: RolloutServer,
+                                                                              tmp_path: Path) -> None:
+    """New weights through the in-place transport, then the server is killed: the supervisor's
+    restart brings the same version and weights back. An update aborted half-way leaves the
+    segments mixed, so re-sending them must refuse rather than load a mix."""
+    from megatron_rl.weights.hf_io import HFCheckpointReader
+
+    reader = HFCheckpointReader(demo_assets()["model"])
+    original = {n: reader.get(n) for n in reader.names()}
+    g = torch.Generator().manual_seed(11)
+    new = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in original.items()}
+    sequences = prompts(3)
+    expect_original = _hf_logprobs(original, sequences, tmp_path / "original")
+    expect_new = _hf_logprobs(new, sequences, tmp_path / "new")
+    transport = FileTransport(server, segment_bytes=1 << 16)
+    try:
+        assert _send(transport, 7, new)["version"] == 7
+        assert _server_diff(server, expect_original, sequences) > 1e-2        # the update changed the model
+        assert _server_diff(server, expect_new, sequences) <= 1e-4
+        segment_files = [f.path for f in transport.files]
+        assert len(segment_files) > 1
+        assert _send(transport, 8, new)["version"] == 8                   # rewritten in place
+        assert [f.path for f in transport.files] == segment_files
+
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        ServerSupervisor(server, transport)(RuntimeError("killed by the test"))
+        assert server.rpc("mrl_weight_version") == ["8"]
+        assert _server_diff(server, expect_new, sequences) <= 1e-4
+
+        transport.begin(9)
+        transport.send_bucket({n: original[n] for n in sorted(original)[:5]})
+        transport.abort()
+        with pytest.raises(RuntimeError, match="partly overwritten"):
+            transport.resend_latest()
+    finally:
+        _send(transport, 0, original)                 # the module's server serves the demo model again
+        transport.close()
+    assert _server_diff(server, expect_original, sequences) <= 1e-4

@@ -36,7 +36,8 @@ def test_synced_server_matches_trainer(fields: dict, layouts: str, tmp_path: Pat
             # ... and the sync brought it back in step.
             assert r[f"{attempt}_after_sync"] <= TOLERANCE, (layout, attempt, r)
             assert r[f"{attempt}_server"]["tensors"] == len(set(_hf_names(model)))
-        assert r["first_buckets"] > 1                        # 64 KiB buckets: really bucketed
+        assert r["first_segments"] > 1                       # 64 KiB segments: really split
+        assert r["second_segment_files"] == r["first_segment_files"]   # rewritten in place
         assert r["corrupted_after_sync"] > 100 * TOLERANCE, (layout, r)   # corruption is detected
         if fields is TINY_MOE:
             assert r["first_server"]["moe_layers_repacked"] == fields["num_hidden_layers"]

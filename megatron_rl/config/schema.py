@@ -128,7 +128,8 @@ class RolloutConfig:
     startup_timeout_s: float = spec(600.0, gt=0.0)
     """How long to wait for the server's health endpoint."""
     sync_bucket_mb: int = spec(512, ge=1)
-    """Weight-sync bucket size in MiB."""
+    """Weight-sync bucket size in MiB: the CPU transport's shared-memory segment size (a tensor
+    larger than this gets a segment of its own)."""
     verify_every: int = spec(1, ge=0)
     """Verify the server's log-probs against the trainer's every N syncs (0 = never)."""
     verify_tolerance: float = spec(1e-4, gt=0.0)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from ..config.schema import RolloutConfig
 
@@ -100,6 +101,12 @@ class RolloutServer:
                    VLLM_CPU_KVCACHE_SPACE=str(self.cfg.cpu_kvcache_gb), MRL_PARENT_PID=str(os.getpid()))
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+        if not torch.cuda.is_available():
+            # glibc keeps freed memory instead of unmapping it: vLLM's layer-wise reload allocates
+            # every layer afresh, and on this VM fresh pages made a weight update 1.6× slower
+            # (bench/sync_bench.py). An explicit setting in the environment wins.
+            env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
+            env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 33))
         return env
 
     def start(self) -> None:

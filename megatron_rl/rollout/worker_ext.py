@@ -1,14 +1,19 @@
 """vLLM worker extension (`--worker-extension-cls`): receive weights from the trainer.
 
 Methods are called through the server's `/collective_rpc` with string arguments only. The CPU
-transport hands over safetensors files (buckets) in a shared-memory directory; `finish` reloads
-them through vLLM's layer-wise reload and then re-runs the CPU MoE expert repacking, which vLLM
-0.32 skips on a weight update (the weights would silently stay in the old packed layout).
+transport (`weights/transport_file.py`) hands over a manifest of tensors in segment files; the
+worker maps the files (keeping a mapping while its file stays the same, so an in-place update costs
+no new pages here either), reloads through vLLM's layer-wise reload from views into the mapping,
+and then re-runs the CPU MoE expert repacking, which vLLM 0.32 skips on a weight update (the
+weights would silently stay in the old packed layout).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,29 +23,17 @@ import torch
 class WorkerExtension:
     """Mixed into vLLM's worker; `self.model_runner` is the worker's model runner."""
 
-    _mrl_buckets: list[str]
     _mrl_version: int = 0
 
-    def mrl_begin_update(self, version: str) -> int:
-        self._mrl_buckets = []
-        self._mrl_pending_version = int(version)
-        return self._mrl_pending_version
-
-    def mrl_add_bucket(self, path: str) -> int:
-        self._mrl_buckets.append(path)
-        return len(self._mrl_buckets)
-
-    def mrl_finish_update(self, expected_names: str) -> dict[str, Any]:
-        """Reload every bucket received since `mrl_begin_update`; returns what was loaded."""
-        names = self._iter_names()
-        expected = set(json.loads(expected_names))
-        if names != expected:
-            missing, extra = sorted(expected - names)[:10], sorted(names - expected)[:10]
-            raise RuntimeError(f"weight update incomplete: missing {missing}, unexpected {extra}")
-        self.model_runner.reload_weights(weights_iterator=self._iter_tensors(), is_checkpoint_format=True)
+    def mrl_update(self, version: str, manifest: str) -> dict[str, Any]:
+        """Load every tensor the manifest lists; returns what was loaded."""
+        spec = json.loads(manifest)
+        segments = self._mrl_map_segments(spec["segments"])
+        self.model_runner.reload_weights(weights_iterator=_views(spec["tensors"], segments),
+                                         is_checkpoint_format=True)
         repacked = _repack_cpu_moe(self.model_runner.get_model())
-        self._mrl_version = self._mrl_pending_version
-        return {"version": self._mrl_version, "tensors": len(names), "moe_layers_repacked": repacked}
+        self._mrl_version = int(version)
+        return {"version": self._mrl_version, "tensors": len(spec["tensors"]), "moe_layers_repacked": repacked}
 
     def mrl_weight_version(self) -> int:
         return self._mrl_version
@@ -51,22 +44,28 @@ class WorkerExtension:
         torch.manual_seed(int(seed))
         return int(seed)
 
-    def _iter_names(self) -> set[str]:
-        from safetensors import safe_open
+    def _mrl_map_segments(self, segments: list[list[Any]]) -> list[torch.Tensor]:
+        """Each (path, size) as a uint8 tensor over a shared mapping; mappings of files not in this
+        manifest are dropped (a new directory per update on shared file systems)."""
+        cache: dict[tuple[str, int, int], tuple[mmap.mmap, torch.Tensor]] = self.__dict__.setdefault("_mrl_maps", {})
+        keys = []
+        for path, size in segments:
+            key = (path, os.stat(path).st_ino, int(size))
+            if key not in cache:
+                with open(path, "r+b") as f:
+                    mapped = mmap.mmap(f.fileno(), int(size))
+                cache[key] = (mapped, torch.frombuffer(mapped, dtype=torch.uint8))
+            keys.append(key)
+        for key in set(cache) - set(keys):
+            del cache[key]      # unmapped once vLLM holds no view into it either
+        return [cache[k][1] for k in keys]
 
-        names: set[str] = set()
-        for path in self._mrl_buckets:
-            with safe_open(path, "pt") as f:
-                names.update(f.keys())
-        return names
 
-    def _iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
-
-        for path in self._mrl_buckets:
-            with safe_open(path, "pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+def _views(tensors: list[list[Any]], segments: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, dtype, shape, segment, offset in tensors:
+        dt = getattr(torch, dtype)
+        n = math.prod(shape) * dt.itemsize
+        yield name, segments[segment][offset:offset + n].view(dt).view(shape)
 
 
 def _repack_cpu_moe(model: torch.nn.Module) -> int:

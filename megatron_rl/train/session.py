@@ -116,7 +116,7 @@ class Session:
             server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length)
             server.start()
             self.servers = [server]
-        self.transports = [FileTransport(s, sync_root) for s in self.servers]
+        self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
         self.clients = [RolloutClient(s.base_url, s.token, "policy", r.max_concurrency, r.request_timeout_s,
                                       r.max_retries, ServerSupervisor(s, t))
                         for s, t in zip(self.servers, self.transports)]
@@ -131,11 +131,10 @@ class Session:
         """Push the actor's weights to the server under a new version (collective)."""
         self.version += 1
         report = sync_weights(self.actor.model, self.adapter, self.transport, self.version,
-                              self.cfg.rollout.sync_bucket_mb << 20, torch.float32 if self.dtype == torch.float32
-                              else torch.bfloat16)
+                              torch.float32 if self.dtype == torch.float32 else torch.bfloat16)
         if report is None:
             return {}
-        return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/buckets": report.buckets}
+        return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/layers": report.layers}
 
     def verify(self, probe: TrainBatch) -> dict[str, float]:
         """Server log-probs of fixed sequences == the trainer's own (T = 1), within the tolerance."""

@@ -110,10 +110,14 @@ def shard(full: torch.Tensor, p: LocalParam) -> torch.Tensor:
 
 
 def unshard(p: LocalParam) -> torch.Tensor:
-    """The full tensor, gathered over the parameter's TP group (collective over that group)."""
+    """The full tensor, gathered over the parameter's TP group (collective over that group).
+
+    An unsharded parameter comes back as itself (detached, not copied): read it, copy it, but do
+    not keep it across an optimizer step or write into it.
+    """
     local = p.param.detach()
     if p.tp_dim is None or p.tp_size == 1:
-        return local.clone()
+        return local
     parts = [torch.empty_like(local) for _ in range(p.tp_size)]
     dist.all_gather(parts, local.contiguous(), group=p.tp_group)
     if p.sections is not None:

@@ -1,7 +1,10 @@
-"""Weight sync: Megatron shards → full HF-named tensors (the weight map) → buckets → a transport.
+"""Weight sync: Megatron shards → full HF-named tensors (the weight map) → a transport.
 
 Collective over all trainer ranks (TP/EP/PP gathers); only global rank 0 talks to the server.
-One layer is gathered at a time, so peak memory is one layer plus one bucket.
+One layer is gathered at a time and handed to the transport at once, which copies what it needs
+before returning (packing into its buckets or segments is its own business). So the gathered
+tensors are freed layer by layer and their memory is reused: retaining a whole bucket of fresh
+tensors cost more in page faults than the copies themselves.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from .sharding import gather_hf_layers
 class Transport(Protocol):
     def begin(self, version: int) -> None: ...
 
-    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None: ...
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the tensors (copied before returning: they may alias parameters or be reused)."""
 
     def finish(self, names: list[str]) -> dict[str, Any]: ...
 
@@ -55,39 +59,36 @@ class SyncReport:
     version: int
     tensors: int
     bytes: int
-    buckets: int
+    layers: int
+    """Hand-overs to the transport (one per layer)."""
     seconds: float
     server: dict[str, Any]
 
 
 def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Transport | None, version: int,
-                 bucket_bytes: int, dtype: torch.dtype) -> SyncReport | None:
+                 dtype: torch.dtype) -> SyncReport | None:
     """Send every weight to the server (rank 0 returns the report; other ranks return None)."""
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
     if rank0:
         assert transport is not None, "rank 0 needs a transport"
         transport.begin(version)
-    bucket: dict[str, torch.Tensor] = {}
-    size = total = buckets = 0
+    total = sends = 0
     names: list[str] = []
     try:
         for layer in gather_hf_layers(model, adapter):
-            for hf_name, hf_tensor in layer:
-                bucket[hf_name] = hf_tensor.to(dtype)
-                size += hf_tensor.numel() * bucket[hf_name].element_size()
-                names.append(hf_name)
-            if rank0 and size >= bucket_bytes:
-                transport.send_bucket(bucket)
-                total, buckets, bucket, size = total + size, buckets + 1, {}, 0
+            if not rank0:
+                continue
+            tensors = {name: tensor.to(dtype) for name, tensor in layer}
+            transport.send_bucket(tensors)
+            names += tensors
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            sends += 1
         if not rank0:
             return None
-        if bucket:
-            transport.send_bucket(bucket)
-            total, buckets = total + size, buckets + 1
         server = transport.finish(names)
     except BaseException:
         if rank0:
             transport.abort()
         raise
-    return SyncReport(version, len(names), total, buckets, time.perf_counter() - start, server)
+    return SyncReport(version, len(names), total, sends, time.perf_counter() - start, server)

@@ -1,21 +1,36 @@
-"""CPU weight transport: safetensors buckets in a shared-memory directory + authenticated RPCs.
+"""CPU weight transport: raw tensor bytes in segment files that the server's worker maps.
 
-The trainer writes each bucket to /dev/shm (memory, not disk), the server's worker extension
-records its path; `finish` makes the server reload all buckets at once and repack CPU MoE
-weights, then the files are removed. The sequence around it is pause (waiting for in-flight
-requests) → update → finish → reset prefix cache → resume.
+On the trainer's host (the default: /dev/shm) the segments are created once and rewritten in place
+by every update, and the server keeps them mapped. An update is then one copy on the trainer side,
+into pages both processes already have mapped. Writing fresh files every update cost ~8 µs of page
+fault per 4 KiB page on this VM: 0.95 s of a 1.7 s sync of 491 MB, more than the copies
+themselves. The server reads views into its mapping (no copy) during vLLM's layer-wise reload.
+
+With a directory both sides see (servers on other nodes, `root`), each update goes into a new
+directory whose files are flushed before the server is told; the server maps it fresh, so nothing
+relies on mmap coherence across nodes. The previous directory goes once the next one has landed.
+
+Sequence: the trainer writes (the server keeps serving: it reads nothing before the update) →
+pause (waiting for in-flight requests) → rpc `mrl_update(version, manifest)` → reset prefix
+cache → resume. Writing before the pause also keeps the copy off the cores that vLLM's worker
+busy-polls for a second after every request it gets, which made the same copy 40× slower.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import save_file
+
+ALIGN = 64
+"""Byte alignment of every tensor in a segment (any dtype view of the bytes is aligned)."""
 
 
 class ControlEndpoint(Protocol):
@@ -30,78 +45,180 @@ def _shm_root() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class SegmentLayout:
+    """Where each tensor of an update goes: (segment, offset), filled in stream order.
+
+    A tensor that would cross a full segment starts the next one; one larger than a segment gets a
+    segment of its own size. The same stream gives the same layout, so updates rewrite in place.
+    """
+
+    capacity: int
+    sizes: list[int] = field(default_factory=list)
+    """Bytes each segment needs (its file may be larger: segments are reused)."""
+    _offset: int = 0
+
+    def place(self, nbytes: int) -> tuple[int, int]:
+        if not self.sizes or (self._offset + nbytes > self.capacity and self._offset > 0):
+            self.sizes.append(0)
+            self._offset = 0
+        segment, offset = len(self.sizes) - 1, self._offset
+        self.sizes[segment] = offset + nbytes
+        self._offset = -(-(offset + nbytes) // ALIGN) * ALIGN
+        return segment, offset
+
+
+class _MappedFile:
+    """A file of at least `size` bytes mapped read-write into this process as a uint8 tensor."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self.size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, self.size) if self.size else None
+        finally:
+            os.close(fd)
+        self.path = path
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8) if self.map is not None \
+            else torch.empty(0, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.bytes      # the tensor holds an export of the map; it must go first
+        if self.map is not None:
+            self.map.close()
+
+
 class FileTransport:
     """One weight update at a time: begin → send_bucket* → finish (or abort).
 
-    The buckets of the latest finished update stay in shared memory until the next one finishes,
-    so a restarted server can be brought to the current weights (`resend_latest`) without the
-    trainer ranks gathering again.
+    The latest finished update stays where it was written until the next one begins, so a
+    restarted server can be brought to the current weights (`resend_latest`) without the trainer
+    ranks gathering again.
     """
 
-    def __init__(self, server: ControlEndpoint, root: Path | None = None) -> None:
+    def __init__(self, server: ControlEndpoint, root: Path | None = None, segment_bytes: int = 512 << 20) -> None:
         self.server = server
-        # /dev/shm for a server on this host; a directory both sides see (the shared run dir)
-        # for servers on other nodes.
         self.root = root
+        self.segment_bytes = segment_bytes
+        self.in_place = root is None
         self.dir: Path | None = None
-        self.latest: tuple[int, Path, list[str]] | None = None
+        self.files: list[_MappedFile] = []
+        self.layout = SegmentLayout(segment_bytes)
+        self.tensors: list[list[Any]] = []
+        self.latest: tuple[int, str, Path] | None = None
+        """(version, manifest, directory) of the latest finished update, while its bytes are intact."""
+        self.overwritten = False
+        """An update began over the latest one's bytes (in place) and did not finish."""
         self.version = 0
         self.buckets = 0
         self.bytes_sent = 0
 
     def begin(self, version: int) -> None:
-        if self.root is not None:
-            self.root.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"megatron-rl-sync-v{version}-", dir=self.root or _shm_root()))
-        self.version = version
-        self.buckets = self.bytes_sent = 0
-        self.server.post("/pause", params={"mode": "wait"})
-        self.server.rpc("mrl_begin_update", str(version))
+        if self.in_place:
+            if self.dir is None:
+                self.dir = Path(tempfile.mkdtemp(prefix="megatron-rl-sync-", dir=_shm_root()))
+            self.overwritten = self.latest is not None or self.overwritten
+            self.latest = None
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
+            self._unmap()
+            self.dir = Path(tempfile.mkdtemp(prefix=f"megatron-rl-sync-v{version}-", dir=self.root))
+        self.layout = SegmentLayout(self.segment_bytes)
+        self.tensors, self.version, self.buckets, self.bytes_sent = [], version, 0, 0
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copies the tensors now; the caller may free or change them after the call."""
         assert self.dir is not None, "begin() first"
-        path = self.dir / f"bucket-{self.buckets:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-        path.chmod(0o600)
-        self.server.rpc("mrl_add_bucket", str(path))
+        for name, t in tensors.items():
+            n = nbytes_of(t)
+            segment, offset = self.layout.place(n)
+            dest = self._segment(segment, max(n, self.segment_bytes))
+            dest[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+            self.tensors.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), segment, offset])
+            self.bytes_sent += n
         self.buckets += 1
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def _segment(self, index: int, size: int) -> torch.Tensor:
+        assert self.dir is not None
+        if index < len(self.files) and self.files[index].size >= size:
+            return self.files[index].bytes
+        if index < len(self.files):
+            self.files[index].close()
+        mapped = _MappedFile(self.dir / f"segment-{index:05d}.bin", size)
+        if index < len(self.files):
+            self.files[index] = mapped
+        else:
+            assert index == len(self.files), "segments are filled in order"
+            self.files.append(mapped)
+        return mapped.bytes
+
+    def _manifest(self) -> str:
+        segments = [[str(f.path), f.size] for f in self.files[:len(self.layout.sizes)]]
+        return json.dumps({"segments": segments, "tensors": self.tensors})
 
     def finish(self, names: list[str]) -> dict[str, Any]:
-        assert self.dir is not None
+        assert self.dir is not None, "begin() first"
         try:
-            (result,) = self.server.rpc("mrl_finish_update", json.dumps(sorted(names)))
-            self.server.post("/reset_prefix_cache")
+            sent = sorted(t[0] for t in self.tensors)
+            if sent != sorted(names):
+                raise RuntimeError(f"weight update incomplete: {len(sent)} tensors written, {len(names)} expected")
+            if not self.in_place:
+                self._flush()
+            manifest = self._manifest()
+            self.server.post("/pause", params={"mode": "wait"})
+            try:
+                (result,) = self.server.rpc("mrl_update", str(self.version), manifest)
+                self.server.post("/reset_prefix_cache")
+            finally:
+                self.server.post("/resume")
         except BaseException:
             self.abort()
             raise
-        self.server.post("/resume")
-        if self.latest is not None:
-            shutil.rmtree(self.latest[1], ignore_errors=True)
-        self.latest, self.dir = (self.version, self.dir, sorted(names)), None
+        if not self.in_place and self.latest is not None:
+            shutil.rmtree(self.latest[2], ignore_errors=True)
+        self.latest, self.overwritten = (self.version, manifest, self.dir), False
+        if not self.in_place:
+            self.dir = None
         return result
 
     def resend_latest(self) -> dict[str, Any] | None:
-        """Load the latest finished update into a (restarted) server again."""
+        """Load the latest finished update into a (restarted) server again; None if there was none."""
         if self.latest is None:
+            if self.overwritten:
+                raise RuntimeError("the latest weights were partly overwritten by an update that did not "
+                                   "finish; a full sync is needed")
             return None
-        version, directory, names = self.latest
-        self.server.rpc("mrl_begin_update", str(version))
-        for path in sorted(directory.glob("bucket-*.safetensors")):
-            self.server.rpc("mrl_add_bucket", str(path))
-        (result,) = self.server.rpc("mrl_finish_update", json.dumps(names))
+        version, manifest, _ = self.latest
+        (result,) = self.server.rpc("mrl_update", str(version), manifest)
         self.server.post("/reset_prefix_cache")
         return result
 
     def abort(self) -> None:
-        try:
-            self.server.post("/resume")
-        finally:
-            if self.dir is not None:
-                shutil.rmtree(self.dir, ignore_errors=True)
-                self.dir = None
+        """Forget an update that will not finish (the server was never paused for it)."""
+        if not self.in_place and self.dir is not None:
+            self._unmap()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def _flush(self) -> None:
+        """Written back to the shared file system, for a reader on another node."""
+        for f in self.files:
+            if f.map is not None:
+                f.map.flush()
+
+    def _unmap(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
 
     def close(self) -> None:
-        if self.latest is not None:
-            shutil.rmtree(self.latest[1], ignore_errors=True)
-            self.latest = None
+        self._unmap()
+        for d in {self.dir, self.latest[2] if self.latest else None} - {None}:
+            shutil.rmtree(d, ignore_errors=True)   # type: ignore[arg-type]
+        self.dir = self.latest = None

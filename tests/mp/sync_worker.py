@@ -76,17 +76,24 @@ def main() -> None:
         batch = make_batch(hf["vocab_size"])
         batch.old_logprobs = actor.compute_logprobs(batch, 1.0)
         entry = {}
+        # One transport for both good syncs: the second rewrites the first one's segments in place
+        # (64 KiB segments: really split). A fresh one for the corrupted sync.
+        good = FileTransport(handle, segment_bytes=1 << 16) if rank0 else None
         for attempt in ("first", "second", "corrupted"):
             actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 0)   # the server is now stale
             entry[f"{attempt}_before_sync"] = server_diff(actor, client, probe)
-            transport = (CorruptingTransport if attempt == "corrupted" else FileTransport)(handle) if rank0 else None
+            transport = (CorruptingTransport(handle, segment_bytes=1 << 16) if attempt == "corrupted" else good) \
+                if rank0 else None
             version += 1
-            report = sync_weights(actor.model, adapter, transport, version, 1 << 16, torch.float32)
+            report = sync_weights(actor.model, adapter, transport, version, torch.float32)
             entry[f"{attempt}_after_sync"] = server_diff(actor, client, probe)
             if rank0:
-                entry[f"{attempt}_buckets"] = report.buckets
+                entry[f"{attempt}_segments"] = len(transport.layout.sizes)
+                entry[f"{attempt}_segment_files"] = sorted(str(f.path) for f in transport.files)
                 entry[f"{attempt}_server"] = report.server
-                transport.close()
+        if rank0:
+            good.close()
+            transport.close()
         result[name] = entry
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result, indent=1))
