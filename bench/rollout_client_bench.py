@@ -136,7 +136,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- server side
-def fixed_length_client(base_url: str, token: str, max_concurrency: int, max_tokens: int) -> Any:
+def fixed_length_client(server: Any, max_concurrency: int, max_tokens: int) -> Any:
     from megatron_rl.rollout.client import RolloutClient
 
     class FixedLengthClient(RolloutClient):
@@ -145,11 +145,11 @@ def fixed_length_client(base_url: str, token: str, max_concurrency: int, max_tok
         async def _post(self, client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
             return await super()._post(client, path, dict(body, ignore_eos=True, min_tokens=max_tokens))
 
-    return FixedLengthClient(base_url, token, "policy", max_concurrency)
+    return FixedLengthClient.for_server(server, max_concurrency=max_concurrency)
 
 
 async def raw_http_pass(base_url: str, token: str, prompts: list[list[int]], n: int, max_tokens: int,
-                        max_concurrency: int) -> list[int]:
+                        max_concurrency: int, stop_token_ids: list[int]) -> list[int]:
     """Bare httpx: the same request bodies, no retries, no Sample objects; returns sample lengths."""
     import httpx
 
@@ -159,7 +159,7 @@ async def raw_http_pass(base_url: str, token: str, prompts: list[list[int]], n: 
     async def one(client: httpx.AsyncClient, ids: list[int]) -> list[int]:
         body = {"model": "policy", "prompt": ids, "n": n, "max_tokens": max_tokens, "min_tokens": max_tokens,
                 "ignore_eos": True, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": 0,
-                "return_tokens_as_token_ids": True}
+                "return_tokens_as_token_ids": True, "stop_token_ids": stop_token_ids}
         async with sem:
             resp = await client.post(base_url + "/v1/completions", json=body, headers=headers, timeout=600.0)
         resp.raise_for_status()
@@ -182,13 +182,13 @@ def run_server_side(model_dir: Path, prompts: list[list[int]], n: int, max_token
         t = time.perf_counter()
         server = start_server(model_dir, work / "run")
         result["server_startup_s"] = time.perf_counter() - t
-        client = fixed_length_client(server.base_url, server.token, max_concurrency, max_tokens)
+        client = fixed_length_client(server, max_concurrency, max_tokens)
         for name in ["warmup"] + ["timed", "raw_http"] * passes:     # client and raw interleaved
             load = os.getloadavg()
             t = time.perf_counter()
             if name == "raw_http":
                 lengths = asyncio.run(raw_http_pass(server.base_url, server.token, prompts, n, max_tokens,
-                                                    max_concurrency))
+                                                    max_concurrency, server.stop_token_ids))
                 with_logprobs = True
             else:
                 samples = client.generate(prompts, settings)

@@ -42,7 +42,7 @@ def prompts(n: int) -> list[list[int]]:
 def test_samples_and_logprobs_match_transformers_fp32(server: RolloutServer) -> None:
     from transformers import AutoModelForCausalLM
 
-    client = RolloutClient(server.base_url, server.token, "policy")
+    client = RolloutClient.for_server(server)
     temperature = 0.7
     settings = SamplingSettings(n=4, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=8)
     groups = client.generate(prompts(3), settings)
@@ -60,6 +60,31 @@ def test_samples_and_logprobs_match_transformers_fp32(server: RolloutServer) -> 
     assert worst <= 1e-4, worst
 
 
+def test_greedy_samples_stop_at_eos_exactly_like_transformers(server: RolloutServer) -> None:
+    """The server runs without a tokenizer (no detokenizing per token); the EOS ids come from the
+    client with every request. Greedy samples equal transformers' greedy generate token for
+    token, including the EOS token and where they stop."""
+    from transformers import AutoModelForCausalLM
+
+    assert server.stop_token_ids                                      # found in the model dir
+    batch = prompts(4)
+    limit = 40
+    got = RolloutClient.for_server(server).generate(
+        batch, SamplingSettings(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=limit, logprobs_mode="raw"))
+    model = AutoModelForCausalLM.from_pretrained(demo_assets()["model"], dtype=torch.float32)
+    stopped = 0
+    for prompt, (sample,) in zip(batch, got):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=limit,
+                                 eos_token_id=server.stop_token_ids, pad_token_id=server.stop_token_ids[0])
+        ref = out[0, len(prompt):].tolist()
+        assert sample.response_ids == ref
+        ended = ref[-1] in server.stop_token_ids
+        assert sample.finish_reason == ("stop" if ended else "length")
+        stopped += ended
+    assert stopped > 0                                                # the EOS path was exercised
+
+
 @pytest.mark.parametrize("path", ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache",
                                   "/v1/completions", "/v1/models"])
 def test_requests_without_the_run_token_are_refused(server: RolloutServer, path: str) -> None:
@@ -69,7 +94,7 @@ def test_requests_without_the_run_token_are_refused(server: RolloutServer, path:
     assert httpx.post(server.base_url + path, json=body, headers=wrong, timeout=10).status_code == 401
     assert server.rpc("mrl_weight_version") == ["0"]        # nothing reached the worker
     # Not paused by the refused /pause: an authenticated request is still served promptly.
-    quick = RolloutClient(server.base_url, server.token, "policy", timeout_s=60, max_retries=0)
+    quick = RolloutClient.for_server(server, timeout_s=60, max_retries=0)
     assert len(quick.generate(prompts(1), SamplingSettings(1, 1.0, 1.0, -1, 2))[0]) == 1
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
     assert oct((server.rollout_dir / "token").stat().st_mode & 0o777) == "0o600"
@@ -95,8 +120,8 @@ class KillAfter(RolloutClient):
 def test_killed_server_is_restarted_and_the_batch_completes(server: RolloutServer) -> None:
     s = SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16)
     batch = prompts(24)
-    client = KillAfter(server.base_url, server.token, "policy", max_concurrency=2, max_retries=6,
-                       on_failure=ServerSupervisor(server, FileTransport(server)), victim=server, after=3)
+    client = KillAfter.for_server(server, max_concurrency=2, max_retries=6,
+                                  on_failure=ServerSupervisor(server, FileTransport(server)), victim=server, after=3)
     got = client.generate(batch, s)
     assert client.killed_pid is not None
     assert server.restarts == 1 and server.proc.pid != client.killed_pid and server.healthy()
@@ -127,7 +152,7 @@ def _hf_logprobs(state: dict[str, torch.Tensor], sequences: list[list[int]], wor
 
 
 def _server_diff(server: RolloutServer, expected: list[torch.Tensor], sequences: list[list[int]]) -> float:
-    got = RolloutClient(server.base_url, server.token, "policy").prompt_logprobs(sequences)
+    got = RolloutClient.for_server(server).prompt_logprobs(sequences)
     return max((torch.tensor(g, dtype=torch.float64) - ref).abs().max().item() for g, ref in zip(got, expected))
 
 

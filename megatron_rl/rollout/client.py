@@ -13,11 +13,14 @@ import asyncio
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from ..types import Sample
+
+if TYPE_CHECKING:
+    from .server import RolloutServer
 
 
 class RolloutError(RuntimeError):
@@ -44,15 +47,22 @@ class RolloutClient:
 
     def __init__(self, base_url: str, token: str, model: str, max_concurrency: int = 64,
                  timeout_s: float = 600.0, max_retries: int = 3,
-                 on_failure: Callable[[Exception], None] | None = None) -> None:
+                 on_failure: Callable[[Exception], None] | None = None, *, stop_token_ids: Sequence[int]) -> None:
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"}
         self.model = model
+        self.stop_token_ids = list(stop_token_ids)
+        """Sent with every generation request: the server has no tokenizer, so no EOS of its own."""
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.on_failure = on_failure
         """Called between retries (e.g. to restart a dead server and re-sync its weights)."""
+
+    @classmethod
+    def for_server(cls, server: RolloutServer, **kwargs: Any) -> RolloutClient:
+        """A client of a `RolloutServer` (its address, token, served name and stop ids)."""
+        return cls(server.base_url, server.token, "policy", stop_token_ids=server.stop_token_ids, **kwargs)
 
     async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
         delay = 0.5
@@ -79,7 +89,7 @@ class RolloutClient:
                             s: SamplingSettings, seed: int | None) -> list[Sample]:
         body = {"model": self.model, "prompt": prompt_ids, "n": s.n, "max_tokens": s.max_tokens,
                 "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "logprobs": 0,
-                "return_tokens_as_token_ids": True}
+                "return_tokens_as_token_ids": True, "stop_token_ids": self.stop_token_ids}
         if seed is not None:
             body["seed"] = seed
         async with sem:

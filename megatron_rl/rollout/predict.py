@@ -35,7 +35,7 @@ def predict(model_dir: str, prompts_path: str, out_path: Path, run_dir: Path, ma
     server = RolloutServer(model_dir, run_dir, cfg, max_model_len=max(len(x) for x in ids) + max_tokens)
     try:
         server.start()
-        client = RolloutClient(server.base_url, server.token, "policy", cfg.max_concurrency)
+        client = RolloutClient.for_server(server, max_concurrency=cfg.max_concurrency)
         greedy = SamplingSettings(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
                                   logprobs_mode="raw")
         results = client.generate(ids, greedy)

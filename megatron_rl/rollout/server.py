@@ -45,6 +45,23 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def eos_token_ids(model_dir: str) -> list[int]:
+    """The ids vLLM stops at by default: the tokenizer's EOS and the eos_token_id(s) of
+    generation_config.json / config.json."""
+    from transformers import AutoTokenizer
+
+    ids = {AutoTokenizer.from_pretrained(model_dir).eos_token_id}
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        ids.update([value] if isinstance(value, int) else value or [])
+    found = sorted(i for i in ids if i is not None)
+    if not found:
+        raise ServerError(f"{model_dir}: no EOS token id in the tokenizer, generation_config.json or config.json; "
+                          "generations would never stop")
+    return found
+
+
 @dataclass
 class RolloutServer:
     model_dir: str
@@ -58,6 +75,9 @@ class RolloutServer:
     extra_args: list[str] = field(default_factory=list)
     external: bool = False
     """Started by someone else (e.g. the sbatch script on rollout nodes): never started or stopped here."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Where generation stops (the model's EOS ids). The server runs without a tokenizer, so clients
+    send these with every request (`RolloutClient.for_server`)."""
 
     @classmethod
     def attach(cls, server_dir: Path, cfg: RolloutConfig) -> RolloutServer:
@@ -66,7 +86,8 @@ class RolloutServer:
         host_port = info["url"].split("//", 1)[1]
         host, port = host_port.rsplit(":", 1)
         server = cls(info["model"], server_dir, RolloutConfig(**{**cfg.__dict__, "host": host}), 0,
-                     token=(server_dir / "rollout" / "token").read_text().strip(), port=int(port), external=True)
+                     token=(server_dir / "rollout" / "token").read_text().strip(), port=int(port), external=True,
+                     stop_token_ids=info.get("stop_token_ids") or eos_token_ids(info["model"]))
         if not server.healthy():
             raise ServerError(f"rollout server at {server.base_url} (from {server_dir}) is not healthy")
         return server
@@ -89,7 +110,10 @@ class RolloutServer:
                 "--gpu-memory-utilization", str(c.gpu_memory_utilization),
                 "--worker-extension-cls", "megatron_rl.rollout.worker_ext.WorkerExtension",
                 "--logprobs-mode", "processed_logprobs" if c.logprobs_mode == "processed" else "raw_logprobs",
-                "--served-model-name", "policy", "--disable-log-stats"]
+                "--served-model-name", "policy", "--disable-log-stats",
+                # Token ids in and out: detokenizing every generated token cost ~13% of the
+                # tokens/s here (bench/rollout_client_bench.py); EOS comes with each request.
+                "--skip-tokenizer-init"]
         if c.enforce_eager:
             args.append("--enforce-eager")
         if c.enable_expert_parallel:
@@ -115,6 +139,7 @@ class RolloutServer:
                               "restart servers it did not start (see its own log on the rollout node)")
         if not self.token:
             self.token = new_token(self.rollout_dir / "token")
+        self.stop_token_ids = self.stop_token_ids or eos_token_ids(self.model_dir)
         # A restart keeps the port, so clients holding the address keep working.
         self.port = self.cfg.port or self.port or free_port(self.cfg.host)
         self.rollout_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +149,8 @@ class RolloutServer:
         self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.wait_healthy()
-        info = {"url": self.base_url, "pid": self.proc.pid, "model": self.model_dir, "restarts": self.restarts}
+        info = {"url": self.base_url, "pid": self.proc.pid, "model": self.model_dir, "restarts": self.restarts,
+                "stop_token_ids": self.stop_token_ids}
         (self.rollout_dir / "server.json").write_text(json.dumps(info, indent=1))
 
     def wait_healthy(self) -> None:

@@ -117,8 +117,8 @@ class Session:
             server.start()
             self.servers = [server]
         self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
-        self.clients = [RolloutClient(s.base_url, s.token, "policy", r.max_concurrency, r.request_timeout_s,
-                                      r.max_retries, ServerSupervisor(s, t))
+        self.clients = [RolloutClient.for_server(s, max_concurrency=r.max_concurrency, timeout_s=r.request_timeout_s,
+                                                 max_retries=r.max_retries, on_failure=ServerSupervisor(s, t))
                         for s, t in zip(self.servers, self.transports)]
         self.transport = self.transports[0] if len(self.transports) == 1 else FanoutTransport(self.transports)
         self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)

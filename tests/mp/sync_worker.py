@@ -69,7 +69,7 @@ def main() -> None:
             host, port = url.rsplit(":", 1)
             handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                    token=Path(token_file).read_text(), port=int(port))
-            client = RolloutClient(url, handle.token, "policy")
+            client = RolloutClient(url, handle.token, "policy", stop_token_ids=[])   # log-probs only
         actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), OptimSettings(lr=1e-2, total_steps=10), 2)
         load_hf_into_model(actor.model, hf_dir)
         actor.optimizer.reload_model_params()
