@@ -123,3 +123,31 @@ def test_aborted_in_place_update_blocks_resending_but_a_shared_dir_keeps_the_lat
             assert t.resend_latest()["version"] == 3
         finally:
             t.close()
+
+
+def test_no_room_for_the_segments_is_an_error_naming_the_directory(tmp_path: Path) -> None:
+    """A mapped file whose pages cannot be allocated would kill the trainer with SIGBUS on first
+    touch; the transport reserves each range first and raises instead. The file-size limit stands
+    in for a full /dev/shm (same failing call), in a child process so pytest keeps its limits."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal, torch
+from pathlib import Path
+from megatron_rl.weights.transport_file import FileTransport
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+t = FileTransport(None, Path({str(tmp_path)!r}) / "sync", segment_bytes=1 << 16)
+t.begin(1)
+t.send_bucket({{"small": torch.zeros(1000)}})
+try:
+    t.send_bucket({{"big": torch.zeros(1 << 20)}})
+except OSError as exc:
+    print("ERROR:", exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert "ERROR:" in out.stdout, out.stdout + out.stderr
+    message = out.stdout.split("ERROR:", 1)[1]
+    assert "cannot allocate 4.0 MiB" in message and str(tmp_path / "sync") in message, message

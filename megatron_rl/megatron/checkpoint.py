@@ -20,6 +20,8 @@ import torch.distributed as dist
 from .actor import Actor, unwrap  # isort: skip
 
 from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories  # noqa: E402
 
 COMPLETE = "complete.json"
 
@@ -37,6 +39,61 @@ def _sharded_state(actor: Actor, is_loading: bool, with_optimizer: bool = True) 
     return state
 
 
+def _without_view_clones(state: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's writer clones every CPU tensor that views a larger storage before it writes
+    anything (`FileSystemWriterAsync.prepare_write_data`): each expert fc1's gate and up halves,
+    for one. On CPU that is a second copy of those weights held for the whole save: +210 MB on a
+    1 GB conversion worker in bench/convert_bench.py. An alias over the same bytes, with a storage of
+    its own, is written as it is."""
+    apply_factories(state)
+    for item in nested_values(state):
+        if isinstance(item, ShardedTensor) and isinstance(item.data, torch.Tensor):
+            item.data = _own_storage_alias(item.data)
+    return state
+
+
+def _own_storage_alias(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or — for a contiguous CPU view of a larger storage — the same memory as a tensor
+    whose storage is exactly its bytes (it keeps the original storage alive)."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or nbytes == 0 or t.untyped_storage().nbytes() == nbytes:
+        return t
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return torch.frombuffer(raw, dtype=t.dtype).view(t.shape)
+
+
+def _merge_in_place(state: dict[str, Any]) -> dict[str, Any]:
+    """On load, a factory's merge rebuilds the tensor from its loaded parts, e.g. each fc1 from its
+    gate and up halves with `torch.cat`, and `load_state_dict` then copies that into the parameter:
+    every fc1 twice at once (+768 MB loading bench/convert_bench.py's model in one process). The
+    parts were loaded in place into views of the parameter the factory was built from; when they
+    tile it exactly, the parameter already is the merge (merge is the inverse of build)."""
+    for item in nested_values(state):
+        if isinstance(item, ShardedTensorFactory) and isinstance(item.data, torch.Tensor):
+            item.merge_fn = _reuse_if_tiled(item.data, item.merge_fn)
+    return state
+
+
+def _reuse_if_tiled(data: torch.Tensor, merge: Any) -> Any:
+    def merged(loaded: Any) -> Any:
+        parts = list(nested_values(loaded)) if isinstance(loaded, (dict, list)) else [loaded]
+        if parts and all(_within(p, data) for p in parts) and \
+                sum(p.numel() * p.element_size() for p in parts) == data.numel() * data.element_size():
+            return data
+        return merge(loaded)
+    return merged
+
+
+def _within(part: Any, data: torch.Tensor) -> bool:
+    """`part` is a dense view inside `data`'s memory (parts come from chunks, so they cannot overlap)."""
+    if not isinstance(part, torch.Tensor) or not part.is_contiguous() or part.dtype != data.dtype:
+        return False
+    if part.untyped_storage().data_ptr() != data.untyped_storage().data_ptr() or not data.is_contiguous():
+        return False
+    end = data.data_ptr() + data.numel() * data.element_size()
+    return data.data_ptr() <= part.data_ptr() and part.data_ptr() + part.numel() * part.element_size() <= end
+
+
 def save_checkpoint(actor: Actor, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Collective: every rank calls it. `extra` (JSON-able, e.g. data-loader position) rides along."""
     final = Path(directory)
@@ -45,7 +102,7 @@ def save_checkpoint(actor: Actor, directory: str | Path, extra: dict[str, Any] |
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp))
+    dist_checkpointing.save(_without_view_clones(_sharded_state(actor, is_loading=False)), str(tmp))
     rng_dir = tmp / "rng"
     rng_dir.mkdir(exist_ok=True)
     torch.save({"cpu": torch.get_rng_state(),
@@ -93,7 +150,7 @@ def load_checkpoint(actor: Actor, directory: str | Path, load_optimizer: bool = 
         # A fresh optimizer has no Adam state yet; megatron's loader fills existing state in place.
         for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
             opt._init_optimizer_states_with_dummy_values()
-    state = _sharded_state(actor, is_loading=True, with_optimizer=load_optimizer)
+    state = _merge_in_place(_sharded_state(actor, is_loading=True, with_optimizer=load_optimizer))
     loaded = dist_checkpointing.load(state, str(path))
     unwrap(actor.model).load_state_dict(loaded["model"])
     if load_optimizer and actor.trainable:

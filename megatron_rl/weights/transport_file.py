@@ -73,25 +73,40 @@ class SegmentLayout:
 
 
 class _MappedFile:
-    """A file of at least `size` bytes mapped read-write into this process as a uint8 tensor."""
+    """A file of at least `size` bytes mapped read-write into this process as a uint8 tensor.
+
+    The file is sparse: `reserve` allocates the ranges actually written, so a full /dev/shm is an
+    error naming the directory rather than a SIGBUS when a page of the mapping is first touched.
+    """
 
     def __init__(self, path: Path, size: int) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            self.size = os.fstat(fd).st_size
-            self.map = mmap.mmap(fd, self.size) if self.size else None
-        finally:
-            os.close(fd)
         self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(self.fd).st_size < size:
+            self._no_room_is_clear(os.ftruncate, self.fd, size)
+        self.size = os.fstat(self.fd).st_size
+        self.map = mmap.mmap(self.fd, self.size) if self.size else None
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8) if self.map is not None \
             else torch.empty(0, dtype=torch.uint8)
+
+    def reserve(self, offset: int, nbytes: int) -> None:
+        if nbytes:
+            self._no_room_is_clear(os.posix_fallocate, self.fd, offset, nbytes)
+
+    def _no_room_is_clear(self, call: Any, *args: int) -> None:
+        try:
+            call(*args)
+        except OSError as exc:
+            free = shutil.disk_usage(self.path.parent).free
+            raise OSError(exc.errno, f"weight sync: cannot allocate {args[-1] / 2**20:.1f} MiB in {self.path.parent} "
+                                     f"({free / 2**20:.1f} MiB free; {exc.strerror}): the CPU transport keeps one "
+                                     "copy of the weights there (enlarge /dev/shm, e.g. docker --shm-size)") from exc
 
     def close(self) -> None:
         del self.bytes      # the tensor holds an export of the map; it must go first
         if self.map is not None:
             self.map.close()
+        os.close(self.fd)
 
 
 class FileTransport:
@@ -138,16 +153,17 @@ class FileTransport:
         for name, t in tensors.items():
             n = nbytes_of(t)
             segment, offset = self.layout.place(n)
-            dest = self._segment(segment, max(n, self.segment_bytes))
-            dest[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+            mapped = self._segment(segment, max(n, self.segment_bytes))
+            mapped.reserve(offset, n)
+            mapped.bytes[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
             self.tensors.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), segment, offset])
             self.bytes_sent += n
         self.buckets += 1
 
-    def _segment(self, index: int, size: int) -> torch.Tensor:
+    def _segment(self, index: int, size: int) -> _MappedFile:
         assert self.dir is not None
         if index < len(self.files) and self.files[index].size >= size:
-            return self.files[index].bytes
+            return self.files[index]
         if index < len(self.files):
             self.files[index].close()
         mapped = _MappedFile(self.dir / f"segment-{index:05d}.bin", size)
@@ -156,7 +172,7 @@ class FileTransport:
         else:
             assert index == len(self.files), "segments are filled in order"
             self.files.append(mapped)
-        return mapped.bytes
+        return mapped
 
     def _manifest(self) -> str:
         segments = [[str(f.path), f.size] for f in self.files[:len(self.layout.sizes)]]
