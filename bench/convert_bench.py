@@ -1,13 +1,17 @@
 """Benchmark `megatron-rl convert` both ways on a ~1.4 GB random Qwen3-MoE checkpoint (bf16).
 
     .venv/bin/python bench/convert_bench.py [--dir /tmp/convert_bench] [--tp 2 --ep 4 --etp 1]
+                                            [--cache cold|warm]
 
 Prints one JSON object:
-- read: plain sequential read of every HF shard (files read once beforehand, so the HF shards are
-  in the page cache both for this read and for the conversions that follow); write: the same
-  number of bytes written sequentially with fsync (the output side's bound on this disk);
+- read: plain sequential read of every HF shard, twice: from the disk (the files evicted from the
+  page cache first with posix_fadvise(DONTNEED), which needs no privileges) and from the page
+  cache (read once beforehand); write: the same number of bytes written sequentially with fsync
+  (the output side's bound on this disk);
 - hf_to_mcore / mcore_to_hf: wall time of the whole CLI (process start, imports, conversion,
-  writes with fsync) and the workers' own time; throughput = HF bytes / time;
+  writes with fsync) and the workers' own time; throughput = HF bytes / time. With --cache cold
+  (default) each conversion's input files are evicted first, so it reads from the disk like the
+  plain disk read; warm leaves them cached;
 - memory: RSS sampled every 20 ms over the whole process tree (CLI, torchrun, workers, helpers):
   the largest single process and the largest instantaneous sum; plus each worker's exact peak
   (ru_maxrss) as the workers report it. Targets: throughput ≥ 50 % of the read throughput;
@@ -87,6 +91,20 @@ def read_throughput(files: list[Path]) -> float:
     return total / (time.perf_counter() - start)
 
 
+def evict(paths: list[Path]) -> None:
+    """Drop the files' clean pages from the page cache, so the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
 def write_throughput(path: Path, nbytes: int) -> float:
     """Plain sequential write of `nbytes` with fsync: what the disk gives the output side."""
     buf = memoryview(bytearray(64 << 20))
@@ -100,12 +118,14 @@ def write_throughput(path: Path, nbytes: int) -> float:
     return nbytes / seconds
 
 
-def _kind(cmd: str, root: bool) -> str:
-    if root:
-        return "cli"
-    if "torch.distributed.run" in cmd:
-        return "torchrun"
-    return "worker" if "megatron_rl.weights.convert" in cmd else "helper"   # helper: megatron's spawned ones
+def _kind(proc: psutil.Process, root: psutil.Process) -> str:
+    """By place in the tree, not by command line (a process just forked, or exiting, shows another
+    one or none): the CLI, torchrun (its child), the workers (torchrun's children) and the helpers
+    megatron spawns (the workers' children)."""
+    depth, p = 0, proc
+    while p is not None and p.pid != root.pid and depth < 4:
+        p, depth = p.parent(), depth + 1
+    return {0: "cli", 1: "torchrun", 2: "worker"}.get(depth, "helper")
 
 
 class TreeMonitor:
@@ -128,15 +148,12 @@ class TreeMonitor:
                 return
             for p in procs:
                 try:
-                    rss, cmd = p.memory_info().rss, " ".join(p.cmdline())
+                    rss = p.memory_info().rss
+                    label = self.per_process[p.pid][0] if p.pid in self.per_process else _kind(p, self.root)
                 except psutil.Error:
                     continue
                 total += rss
-                label = _kind(cmd, p.pid == self.root.pid)
-                old_label, old = self.per_process.get(p.pid, (label, 0))
-                # Label by the latest command line: a forked worker first shows torchrun's (before
-                # exec), an exiting one shows none.
-                self.per_process[p.pid] = (label if cmd else old_label, max(old, rss))
+                self.per_process[p.pid] = (label, max(self.per_process.get(p.pid, (label, 0))[1], rss))
             self.peak_sum = max(self.peak_sum, total)
             time.sleep(self.interval)
 
@@ -165,18 +182,19 @@ def convert(args: list[str], stats: Path) -> dict[str, Any]:
     return {"wall_s": wall, "workers": json.loads(stats.read_text()), **memory}
 
 
-def summarize(run: dict[str, Any], nbytes: int, read_bps: float, largest_shard: int,
+def summarize(run: dict[str, Any], nbytes: int, read_bps: dict[str, float], largest_shard: int,
               write_bps: float) -> dict[str, Any]:
     w = run["workers"]
     inner = w.get("load_seconds", 0) + w.get("save_seconds", 0) + w.get("write_seconds", 0)
+    rates = {"wall": nbytes / run["wall_s"], "workers": nbytes / w["seconds"]}
     return {
         "wall_s": round(run["wall_s"], 2), "worker_s": round(w["seconds"], 2),
         "phases_s": {k: round(v, 2) for k, v in w.items() if k.endswith("_seconds")},
-        "throughput_wall_Bps": round(nbytes / run["wall_s"]), "throughput_workers_Bps": round(nbytes / w["seconds"]),
-        "throughput_wall_vs_read": round(nbytes / run["wall_s"] / read_bps, 4),
-        "throughput_workers_vs_read": round(nbytes / w["seconds"] / read_bps, 4),
+        **{f"throughput_{k}_Bps": round(v) for k, v in rates.items()},
+        **{f"throughput_{k}_vs_read_{cache}": round(v / bps, 4)
+           for k, v in rates.items() for cache, bps in read_bps.items()},
         "conversion_phases_s": round(inner, 2),
-        "throughput_workers_vs_fsync_write": round(nbytes / w["seconds"] / write_bps, 4),
+        "throughput_workers_vs_fsync_write": round(rates["workers"] / write_bps, 4),
         "peak_rss_max_process": run["peak_rss_max_process"], "peak_rss_max_by_kind": run["peak_rss_max_by_kind"],
         "peak_rss_sum": run["peak_rss_sum"], "peak_rss_per_worker_rusage": w["peak_rss_per_rank"],
         "peak_rss_max_process_vs_largest_shard": round(run["peak_rss_max_process"] / largest_shard, 3),
@@ -197,24 +215,32 @@ def main() -> None:
     ap.add_argument("--tp", default="2")
     ap.add_argument("--ep", default="4")
     ap.add_argument("--etp", default="1")
+    ap.add_argument("--cache", choices=("cold", "warm"), default="cold",
+                    help="evict each conversion's input from the page cache first (cold) or not")
     args = ap.parse_args()
     root = Path(args.dir)
     hf = build_checkpoint(root / "hf")
     files = HFCheckpointReader(hf).shard_files()
     nbytes = sum(f.stat().st_size for f in files)
     largest = max(f.stat().st_size for f in files)
-    read_throughput(files)                      # warm the page cache for every measurement below
-    read_bps = read_throughput(files)
+    evict(files)
+    read_bps = {"disk": read_throughput(files)}
+    read_bps["page_cache"] = read_throughput(files)     # cached by the read just before
     write_bps = write_throughput(root / "write_test.bin", nbytes)
     layout = ["--tp", args.tp, "--ep", args.ep, "--etp", args.etp]
+    if args.cache == "cold":
+        evict(files)
     to_mcore = convert(["hf-to-mcore", "--hf", str(hf), "--out", str(root / "mcore"), *layout], root / "s1.json")
+    if args.cache == "cold":
+        evict(files_under(root / "mcore"))
     to_hf = convert(["mcore-to-hf", "--mcore", str(root / "mcore"), "--out", str(root / "hf_back"),
                      "--max-shard-size", str(MAX_SHARD), *layout], root / "s2.json")
     result = {
         "model": {"architecture": "Qwen3MoeForCausalLM", "dtype": "bfloat16", "hf_bytes": nbytes, "shards": len(files),
                   "largest_shard_bytes": largest, "layers": CONFIG["num_hidden_layers"],
                   "experts": CONFIG["num_experts"], "layout": f"TP{args.tp} EP{args.ep} ETP{args.etp}"},
-        "read_Bps_page_cache": round(read_bps),
+        "read_Bps_disk": round(read_bps["disk"]), "read_Bps_page_cache": round(read_bps["page_cache"]),
+        "conversion_inputs": args.cache,
         "write_Bps_fsync": round(write_bps),
         "hf_to_mcore": summarize(to_mcore, nbytes, read_bps, largest, write_bps),
         "mcore_to_hf": summarize(to_hf, nbytes, read_bps, largest, write_bps),

@@ -167,7 +167,7 @@ def one_sync(actor: Any, adapter: Any, inner: FileTransport, times: dict[str, fl
     reload = times["rpc mrl_update"]
     calls = ("begin", "send_bucket", "finish")
     return {
-        "version": version, "bytes": report.bytes, "tensors": report.tensors, "layers": report.layers,
+        "version": version, "bytes": report.bytes, "tensors": report.tensors, "parts": report.parts,
         "segments": len(inner.layout.sizes),
         "total_s": wall, "mb_per_s": report.bytes / 1e6 / wall,
         "pause_s": times["post /pause"],
@@ -334,7 +334,7 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
                   "expected_parameters": hf_param_count(fields), "bytes": base["bytes"],
                   "mb": base["bytes"] / 1e6, "dtype": "float32", "build_or_reuse_s": build_s},
         "server_startup_s": startup_s, "noop_rpc_s": noop_rpc_s,
-        "sync_bytes": runs[0]["bytes"], "tensors": runs[0]["tensors"], "layers": runs[0]["layers"],
+        "sync_bytes": runs[0]["bytes"], "tensors": runs[0]["tensors"], "parts": runs[0]["parts"],
         "segments": runs[0]["segments"], "segment_bytes": bucket_bytes, "server_result": runs[-1]["server_result"],
         "first_sync": {k: runs[0][k] for k in keys},
         "sync_median_after_first": median,

@@ -36,6 +36,7 @@ def test_layouts_give_the_same_grpo_and_gspo_steps(tiny_moe: Path, tmp_path: Pat
         for layout in ("tp2_sp", "ep2", "pp2", "tp2_ep2_etp1"):
             got = result[f"{objective}/{layout}"]
             assert got["missing"] == []
+            assert got["chunked_same"] and got["parts"][1] > got["parts"][0], (objective, layout, got["parts"])
             assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL), (objective, layout)
             assert got["max_weight_diff"] <= WEIGHT_ATOL, (objective, layout, got["max_weight_diff"])
             assert got["weight_change"] > 1.5e-3    # two Adam steps of lr 1e-3 really moved the weights

@@ -134,7 +134,7 @@ class Session:
                               torch.float32 if self.dtype == torch.float32 else torch.bfloat16)
         if report is None:
             return {}
-        return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/layers": report.layers}
+        return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}
 
     def verify(self, probe: TrainBatch) -> dict[str, float]:
         """Server log-probs of fixed sequences == the trainer's own (T = 1), within the tolerance."""

@@ -10,6 +10,7 @@ gated linear unit) has two equal halves; other modules name their sections on th
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -153,10 +154,17 @@ def iter_owned_full_tensors(model: torch.nn.Module) -> Iterator[tuple[LocalParam
         yield p, unshard(p)
 
 
-def gather_to_rank0(model: torch.nn.Module, layers: list[int | None]) -> Iterator[dict[str, torch.Tensor]]:
-    """Per layer (global order), all global tensors collected on global rank 0 ({} elsewhere).
+GATHER_CHUNK_BYTES = 64 << 20
+"""Rank 0 takes a layer in parts of about this many bytes (one tensor may exceed it)."""
 
-    Each rank contributes the tensors it owns; one gather per layer keeps the peak at one layer.
+
+def gather_to_rank0(model: torch.nn.Module, layers: list[int | None],
+                    chunk_bytes: int = GATHER_CHUNK_BYTES) -> Iterator[dict[str, torch.Tensor]]:
+    """Per layer (global order), all global tensors collected on global rank 0 ({} elsewhere), in
+    parts: rank 0 holds its own share of one layer plus one part of the others' at a time (a
+    layer of a 128-expert model is GBs).
+
+    Each rank contributes the tensors it owns. Every rank yields once per part, in step.
     """
     by_layer: dict[int | None, list[LocalParam]] = {}
     for p in local_params(model):
@@ -169,31 +177,58 @@ def gather_to_rank0(model: torch.nn.Module, layers: list[int | None]) -> Iterato
             full = unshard(p)
             if p.owns():
                 mine[p.global_name] = full
-        yield _collect_on_rank0(mine, world_rank, device)
+        yield from _collect_on_rank0(mine, world_rank, device, chunk_bytes)
 
 
-def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every rank's tensors on rank 0. Only names, shapes and dtypes go through `gather_object`;
-    the data is sent point to point into buffers of the right shape, so rank 0 holds one copy of
-    the layer (gathering the tensors as objects costs their pickles plus a world-size buffer)."""
+Spec = tuple[int, str, tuple[int, ...], torch.dtype]
+"""(source rank, global name, shape, dtype) of one tensor on its way to rank 0."""
+
+
+def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: torch.device,
+                      chunk_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Every rank's tensors on rank 0, part by part. Only names, shapes and dtypes go through
+    the object collectives; the data is sent point to point into buffers of the right shape
+    (gathering the tensors as objects costs their pickles plus a world-size buffer)."""
     specs: list[list[tuple[str, tuple[int, ...], torch.dtype]]] | None = \
         [[] for _ in range(dist.get_world_size())] if world_rank == 0 else None
     dist.gather_object([(n, tuple(t.shape), t.dtype) for n, t in mine.items()], specs, dst=0)
-    if world_rank != 0:
-        for t in mine.values():
-            dist.send(t.contiguous(), dst=0)
-        return {}
-    merged = dict(mine)
-    assert specs is not None
-    for src in range(1, len(specs)):
-        for name, shape, dtype in specs[src]:
-            merged[name] = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(merged[name], src=src)
-    return merged
+    plan: list[list[Spec] | None] = [_parts([(src, *spec) for src, got in enumerate(specs) for spec in got],
+                                            chunk_bytes) if specs is not None else None]
+    dist.broadcast_object_list(plan, src=0)
+    for part in plan[0] or []:
+        if world_rank != 0:
+            for src, name, _, _ in part:
+                if src == world_rank:
+                    dist.send(mine[name].contiguous(), dst=0)
+            yield {}
+            continue
+        out = {}
+        for src, name, shape, dtype in part:
+            if src == 0:
+                out[name] = mine[name]
+            else:
+                out[name] = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(out[name], src=src)
+        yield out
+
+
+def _parts(specs: list[Spec], chunk_bytes: int) -> list[list[Spec]]:
+    """Consecutive runs of at most `chunk_bytes` (a bigger tensor alone)."""
+    parts: list[list[Spec]] = []
+    size = chunk_bytes
+    for spec in specs:
+        n = math.prod(spec[2]) * spec[3].itemsize
+        if size + n > chunk_bytes or not parts:
+            parts.append([])
+            size = 0
+        parts[-1].append(spec)
+        size += n
+    return parts
 
 
 def gather_hf_layers(model: torch.nn.Module, adapter: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Per layer (global order), the full HF-named tensors on global rank 0 ([] elsewhere).
+    """Per part of a layer (global order, see `gather_to_rank0`), the full HF-named tensors on
+    global rank 0 ([] elsewhere).
 
     Collective over all ranks; the one path by which weights leave Megatron (sync, export,
     conversion), so they all go through the same weight map.

@@ -1,10 +1,10 @@
 """Weight sync: Megatron shards → full HF-named tensors (the weight map) → a transport.
 
 Collective over all trainer ranks (TP/EP/PP gathers); only global rank 0 talks to the server.
-One layer is gathered at a time and handed to the transport at once, which copies what it needs
-before returning (packing into its buckets or segments is its own business). So the gathered
-tensors are freed layer by layer and their memory is reused: retaining a whole bucket of fresh
-tensors cost more in page faults than the copies themselves.
+One part of a layer is gathered at a time and handed to the transport at once, which copies what
+it needs before returning (packing into its buckets or segments is its own business). So the
+gathered tensors are freed part by part and their memory is reused: retaining a whole bucket of
+fresh tensors cost more in page faults than the copies themselves.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class SyncReport:
     version: int
     tensors: int
     bytes: int
-    layers: int
-    """Hand-overs to the transport (one per layer)."""
+    parts: int
+    """Hand-overs to the transport: parts of layers (`sharding.GATHER_CHUNK_BYTES`)."""
     seconds: float
     server: dict[str, Any]
 

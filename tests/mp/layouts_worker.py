@@ -64,9 +64,17 @@ def run_layout(hf_dir: str, layout: ParallelLayout, objective: str) -> tuple[lis
     for step in range(2):
         metrics = actor.train_step(batch, OBJECTIVES[objective], objective, temperature=1.0, rl_step=step)
         losses.append(metrics["loss/total"])
-    weights = {}
+    weights, chunked, parts = {}, {}, [0, 0]
     for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):
         weights.update(part)
+        parts[0] += 1
+    # Tiny parts: a layer comes in many pieces, from several ranks at once; same tensors, same order.
+    for part in gather_to_rank0(actor.model, adapter_for(hf).layers(), chunk_bytes=1024):
+        chunked.update(part)
+        parts[1] += 1
+    weights["__parts__"] = parts
+    weights["__chunked_same__"] = list(chunked) == list(weights)[:-1] and all(
+        torch.equal(chunked[k], weights[k]) for k in chunked)
     return losses, weights
 
 
@@ -84,6 +92,7 @@ def main() -> None:
             losses, weights = run_layout(hf_dir, layout, objective)
             entry = {"losses": losses}
             if dist.get_rank() == 0:
+                entry["parts"], entry["chunked_same"] = weights.pop("__parts__"), weights.pop("__chunked_same__")
                 if ref_weights is None:
                     ref_weights = weights
                     entry["num_tensors"] = len(weights)
