@@ -54,12 +54,13 @@ class LocalParam:
         return dist.get_rank(self.tp_group) if self.tp_dim is not None else 0
 
     def owns(self) -> bool:
-        """One rank per global tensor writes it: TP rank 0 of data-parallel rank 0."""
+        """One rank per global tensor writes it: TP rank 0 of data-parallel rank 0. Also for a
+        parameter replicated over TP (a norm), which every TP rank holds whole."""
         if self.is_expert:
             dp_rank = ps.get_expert_data_parallel_rank()
         else:
             dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-        return dp_rank == 0 and self.tp_rank == 0
+        return dp_rank == 0 and dist.get_rank(self.tp_group) == 0
 
 
 def local_params(model: torch.nn.Module) -> list[LocalParam]:
@@ -192,10 +193,14 @@ def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: to
     specs: list[list[tuple[str, tuple[int, ...], torch.dtype]]] | None = \
         [[] for _ in range(dist.get_world_size())] if world_rank == 0 else None
     dist.gather_object([(n, tuple(t.shape), t.dtype) for n, t in mine.items()], specs, dst=0)
-    plan: list[list[Spec] | None] = [_parts([(src, *spec) for src, got in enumerate(specs) for spec in got],
-                                            chunk_bytes) if specs is not None else None]
+    plan: list[Any] = [None]
+    if specs is not None:
+        plan[0] = _owner_conflict(specs) or _parts([(src, *spec) for src, got in enumerate(specs) for spec in got],
+                                                   chunk_bytes)
     dist.broadcast_object_list(plan, src=0)
-    for part in plan[0] or []:
+    if isinstance(plan[0], str):
+        raise RuntimeError(plan[0])        # on every rank, so none waits in a collective
+    for part in plan[0]:
         if world_rank != 0:
             for src, name, _, _ in part:
                 if src == world_rank:
@@ -210,6 +215,16 @@ def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: to
                 out[name] = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(out[name], src=src)
         yield out
+
+
+def _owner_conflict(specs: list[list[tuple[str, tuple[int, ...], torch.dtype]]]) -> str | None:
+    seen: dict[str, int] = {}
+    for src, got in enumerate(specs):
+        for name, _, _ in got:
+            if name in seen:
+                return f"{name} is owned by ranks {seen[name]} and {src}; `LocalParam.owns` must pick one"
+            seen[name] = src
+    return None
 
 
 def _parts(specs: list[Spec], chunk_bytes: int) -> list[list[Spec]]:
