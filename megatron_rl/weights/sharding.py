@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,14 +53,20 @@ class LocalParam:
     def tp_rank(self) -> int:
         return dist.get_rank(self.tp_group) if self.tp_dim is not None else 0
 
+    @property
+    def full_nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size() * self.tp_size
+
+    def in_first_replica(self) -> bool:
+        """Data-parallel rank 0 (for its kind, dense or expert): the replica whose copy is used."""
+        if self.is_expert:
+            return ps.get_expert_data_parallel_rank() == 0
+        return ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
     def owns(self) -> bool:
         """One rank per global tensor writes it: TP rank 0 of data-parallel rank 0. Also for a
         parameter replicated over TP (a norm), which every TP rank holds whole."""
-        if self.is_expert:
-            dp_rank = ps.get_expert_data_parallel_rank()
-        else:
-            dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-        return dp_rank == 0 and dist.get_rank(self.tp_group) == 0
+        return self.in_first_replica() and dist.get_rank(self.tp_group) == 0
 
 
 def local_params(model: torch.nn.Module) -> list[LocalParam]:
@@ -111,8 +117,10 @@ def shard(full: torch.Tensor, p: LocalParam) -> torch.Tensor:
     return full.chunk(p.tp_size, p.tp_dim)[p.tp_rank]
 
 
-def unshard(p: LocalParam) -> torch.Tensor:
-    """The full tensor, gathered over the parameter's TP group (collective over that group).
+def unshard(p: LocalParam) -> torch.Tensor | None:
+    """The full tensor on TP rank 0 of the parameter's group; None on the other TP ranks, which
+    only send their shard (collective over that group). Gathering to one rank instead of all
+    spares every other TP rank a full copy: a 151,936-row embedding is 1.2 GB in bf16.
 
     An unsharded parameter comes back as itself (detached, not copied): read it, copy it, but do
     not keep it across an optimizer step or write into it.
@@ -120,8 +128,17 @@ def unshard(p: LocalParam) -> torch.Tensor:
     local = p.param.detach()
     if p.tp_dim is None or p.tp_size == 1:
         return local
+    local = local.contiguous()
+    if p.tp_rank != 0:
+        dist.gather(local, None, group=p.tp_group, group_dst=0)
+        return None
+    if p.sections is None and p.tp_dim == 0:
+        # Shards of dim 0 are contiguous row blocks of the result: received in place, no cat.
+        full = torch.empty((local.shape[0] * p.tp_size, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        dist.gather(local, list(full.chunk(p.tp_size, 0)), group=p.tp_group, group_dst=0)
+        return full
     parts = [torch.empty_like(local) for _ in range(p.tp_size)]
-    dist.all_gather(parts, local.contiguous(), group=p.tp_group)
+    dist.gather(local, parts, group=p.tp_group, group_dst=0)
     if p.sections is not None:
         per_rank = [torch.split(t, list(p.sections), dim=p.tp_dim) for t in parts]
         return torch.cat([torch.cat([r[i] for r in per_rank], dim=p.tp_dim) for i in range(len(p.sections))],
@@ -146,39 +163,38 @@ def load_full_tensors(model: torch.nn.Module, get_full: Callable[[str], torch.Te
     return loaded
 
 
-def iter_owned_full_tensors(model: torch.nn.Module) -> Iterator[tuple[LocalParam, torch.Tensor]]:
-    """Full tensors of this rank's parameters; collective over TP groups, so every rank must call it.
-
-    Yields on every rank; callers keep only `p.owns()` to write each global tensor once.
-    """
-    for p in local_params(model):
-        yield p, unshard(p)
-
-
-GATHER_CHUNK_BYTES = 64 << 20
+GATHER_CHUNK_BYTES = 32 << 20
 """Rank 0 takes a layer in parts of about this many bytes (one tensor may exceed it)."""
 
 
 def gather_to_rank0(model: torch.nn.Module, layers: list[int | None],
                     chunk_bytes: int = GATHER_CHUNK_BYTES) -> Iterator[dict[str, torch.Tensor]]:
     """Per layer (global order), all global tensors collected on global rank 0 ({} elsewhere), in
-    parts: rank 0 holds its own share of one layer plus one part of the others' at a time (a
-    layer of a 128-expert model is GBs).
+    parts of about `chunk_bytes`: a layer of a 128-expert model, or a 151,936-row embedding, is GBs.
+    Each rank unshards its parameters a part at a time too, and only the first data-parallel
+    replica unshards at all.
 
     Each rank contributes the tensors it owns. Every rank yields once per part, in step.
     """
     by_layer: dict[int | None, list[LocalParam]] = {}
     for p in local_params(model):
-        by_layer.setdefault(p.layer, []).append(p)
+        if p.in_first_replica():
+            by_layer.setdefault(p.layer, []).append(p)
     world_rank = dist.get_rank()
     device = next(unwrap(model).parameters()).device
     for layer in layers:
-        mine = {}
-        for p in by_layer.get(layer, []):
-            full = unshard(p)
-            if p.owns():
-                mine[p.global_name] = full
-        yield from _collect_on_rank0(mine, world_rank, device, chunk_bytes)
+        # TP peers hold the same parameters, so they cut the same runs and meet in the same gathers.
+        runs = _runs(by_layer.get(layer, []), lambda p: p.full_nbytes, chunk_bytes)
+        count = torch.tensor([len(runs)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        for i in range(int(count.item())):
+            mine = {}
+            for p in runs[i] if i < len(runs) else []:
+                full = unshard(p)
+                if p.owns():
+                    assert full is not None, "owners are TP rank 0"
+                    mine[p.global_name] = full
+            yield from _collect_on_rank0(mine, world_rank, device, chunk_bytes)
 
 
 Spec = tuple[int, str, tuple[int, ...], torch.dtype]
@@ -195,8 +211,8 @@ def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: to
     dist.gather_object([(n, tuple(t.shape), t.dtype) for n, t in mine.items()], specs, dst=0)
     plan: list[Any] = [None]
     if specs is not None:
-        plan[0] = _owner_conflict(specs) or _parts([(src, *spec) for src, got in enumerate(specs) for spec in got],
-                                                   chunk_bytes)
+        plan[0] = _owner_conflict(specs) or _runs([(src, *spec) for src, got in enumerate(specs) for spec in got],
+                                                  _spec_nbytes, chunk_bytes)
     dist.broadcast_object_list(plan, src=0)
     if isinstance(plan[0], str):
         raise RuntimeError(plan[0])        # on every rank, so none waits in a collective
@@ -204,17 +220,21 @@ def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: to
         if world_rank != 0:
             for src, name, _, _ in part:
                 if src == world_rank:
-                    dist.send(mine[name].contiguous(), dst=0)
+                    dist.send(mine.pop(name).contiguous(), dst=0)     # freed once sent
             yield {}
             continue
         out = {}
         for src, name, shape, dtype in part:
             if src == 0:
-                out[name] = mine[name]
+                out[name] = mine.pop(name)
             else:
                 out[name] = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(out[name], src=src)
         yield out
+
+
+def _spec_nbytes(spec: Spec) -> int:
+    return math.prod(spec[2]) * spec[3].itemsize
 
 
 def _owner_conflict(specs: list[list[tuple[str, tuple[int, ...], torch.dtype]]]) -> str | None:
@@ -227,18 +247,21 @@ def _owner_conflict(specs: list[list[tuple[str, tuple[int, ...], torch.dtype]]])
     return None
 
 
-def _parts(specs: list[Spec], chunk_bytes: int) -> list[list[Spec]]:
-    """Consecutive runs of at most `chunk_bytes` (a bigger tensor alone)."""
-    parts: list[list[Spec]] = []
-    size = chunk_bytes
-    for spec in specs:
-        n = math.prod(spec[2]) * spec[3].itemsize
-        if size + n > chunk_bytes or not parts:
-            parts.append([])
+T = TypeVar("T")
+
+
+def _runs(items: list[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
+    """Consecutive runs of at most `limit` bytes (a bigger item alone)."""
+    runs: list[list[T]] = []
+    size = limit
+    for item in items:
+        n = nbytes(item)
+        if size + n > limit or not runs:
+            runs.append([])
             size = 0
-        parts[-1].append(spec)
+        runs[-1].append(item)
         size += n
-    return parts
+    return runs
 
 
 def gather_hf_layers(model: torch.nn.Module, adapter: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -68,12 +68,12 @@ def run_layout(hf_dir: str, layout: ParallelLayout, objective: str) -> tuple[lis
     for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):
         weights.update(part)
         parts[0] += 1
-    # Tiny parts: a layer comes in many pieces, from several ranks at once; same tensors, same order.
+    # Tiny parts: a layer comes in many pieces, from several ranks at once; the same tensors.
     for part in gather_to_rank0(actor.model, adapter_for(hf).layers(), chunk_bytes=1024):
         chunked.update(part)
         parts[1] += 1
     weights["__parts__"] = parts
-    weights["__chunked_same__"] = list(chunked) == list(weights)[:-1] and all(
+    weights["__chunked_same__"] = sorted(chunked) == sorted(k for k in weights if k != "__parts__") and all(
         torch.equal(chunked[k], weights[k]) for k in chunked)
     return losses, weights
 
