@@ -47,6 +47,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _report import emit  # noqa: E402  (bench/, the script's own directory)
+
 MAX_MODEL_LEN = 128
 
 
@@ -261,12 +263,7 @@ def main() -> None:
                                     for p in r["passes"])
     out["target_overhead"] = 0.05
     out["meets_target"] = out["overhead"] <= 0.05
-    out["loadavg_end"] = os.getloadavg()
-    out["wall_s"] = time.perf_counter() - t0
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json_out is not None:
-        args.json_out.write_text(text + "\n")
+    emit(out, t0, args.json_out)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ Prints one JSON object (also written to --json-out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -69,6 +68,7 @@ from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sync import sync_weights  # noqa: E402
 from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
+from _report import emit  # noqa: E402  (bench/, the script's own directory)
 
 # ~491 MB fp32 Qwen3-MoE (all dims multiples of 32, head_dim 64). Exact count, see hf_param_count:
 # per layer q 1024·1024 + k,v 2·256·1024 + o 1024·1024 + q/k-norm 2·64 + 2 layer norms 2·1024
@@ -321,7 +321,7 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
     finally:
         if server is not None:
             server.stop()
-    nbytes = sum(p.numel() * p.element_size() for p in params)
+    nbytes = sum(p.nbytes for p in params)
     base = summarize_baselines(rounds, nbytes)
     steady = list(zip(runs, rounds))[1:] or list(zip(runs, rounds))    # in-place rewrites (see above)
     paired = {f"ratio_vs_{name}": _median([r["mb_per_s"] / (nbytes / 1e6 / rnd[name][0]) for r, rnd in steady])
@@ -379,12 +379,7 @@ def main() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    out["loadavg_end"] = os.getloadavg()
-    out["wall_s"] = time.perf_counter() - t0
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.json_out is not None:
-        args.json_out.write_text(text + "\n")
+    emit(out, t0, args.json_out)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def _noisy_sharded_copy(base: Path, out: Path) -> Path:
         if t.dim() == 1:
             t += 0.1 * torch.randn(t.shape, generator=g)
         tensors[name] = t
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.nbytes for t in tensors.values())
     writer = HFCheckpointWriter(out, max_shard_bytes=total // 3 + 1)
     writer.add_many(tensors.items())
     return writer.finish(side_files_from=base)

@@ -5,13 +5,13 @@ test_rollout_server.py, test_weight_sync.py and test_disaggregated.py."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from megatron_rl.rollout.worker_ext import _views
 from megatron_rl.weights.transport_file import ALIGN, FileTransport, SegmentLayout
 
 
@@ -30,13 +30,10 @@ class Recorder:
         self.calls.append(method)
         version, manifest = args
         spec = json.loads(manifest)
-        data = [Path(p).read_bytes()[:size] for p, size in spec["segments"]]
-        self.loaded = {}
-        for name, dtype, shape, seg, off in spec["tensors"]:
-            dt = getattr(torch, dtype)
-            raw = bytearray(data[seg][off:off + math.prod(shape) * dt.itemsize])
-            self.loaded[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dt).view(shape).clone() \
-                if raw else torch.empty(shape, dtype=dt)
+        # The bytes as they are now, read through the worker's own decoder.
+        segments = [torch.frombuffer(bytearray(Path(p).read_bytes()[:size]), dtype=torch.uint8)
+                    for p, size in spec["segments"]]
+        self.loaded = {name: t.clone() for name, t in _views(spec["tensors"], segments)}
         return [{"version": int(version), "tensors": len(spec["tensors"])}]
 
 

@@ -55,8 +55,7 @@ def _without_view_clones(state: dict[str, Any]) -> dict[str, Any]:
 def _own_storage_alias(t: torch.Tensor) -> torch.Tensor:
     """`t` itself, or — for a contiguous CPU view of a larger storage — the same memory as a tensor
     whose storage is exactly its bytes (it keeps the original storage alive)."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or not t.is_contiguous() or nbytes == 0 or t.untyped_storage().nbytes() == nbytes:
+    if t.device.type != "cpu" or not t.is_contiguous() or t.nbytes == 0 or t.untyped_storage().nbytes() == t.nbytes:
         return t
     raw = t.detach().reshape(-1).view(torch.uint8).numpy()
     return torch.frombuffer(raw, dtype=t.dtype).view(t.shape)
@@ -78,7 +77,7 @@ def _reuse_if_tiled(data: torch.Tensor, merge: Any) -> Any:
     def merged(loaded: Any) -> Any:
         parts = list(nested_values(loaded)) if isinstance(loaded, (dict, list)) else [loaded]
         if parts and all(_within(p, data) for p in parts) and \
-                sum(p.numel() * p.element_size() for p in parts) == data.numel() * data.element_size():
+                sum(p.nbytes for p in parts) == data.nbytes:
             return data
         return merge(loaded)
     return merged
@@ -90,8 +89,7 @@ def _within(part: Any, data: torch.Tensor) -> bool:
         return False
     if part.untyped_storage().data_ptr() != data.untyped_storage().data_ptr() or not data.is_contiguous():
         return False
-    end = data.data_ptr() + data.numel() * data.element_size()
-    return data.data_ptr() <= part.data_ptr() and part.data_ptr() + part.numel() * part.element_size() <= end
+    return data.data_ptr() <= part.data_ptr() and part.data_ptr() + part.nbytes <= data.data_ptr() + data.nbytes
 
 
 def save_checkpoint(actor: Actor, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:

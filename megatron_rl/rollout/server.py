@@ -102,9 +102,8 @@ class RolloutServer:
 
     def command(self) -> list[str]:
         c = self.cfg
-        dtype = c.dtype if c.dtype != "auto" else "auto"
         args = [sys.executable, "-m", "megatron_rl.rollout.server_main", "--model", self.model_dir,
-                "--host", c.host, "--port", str(self.port), "--dtype", dtype,
+                "--host", c.host, "--port", str(self.port), "--dtype", c.dtype,
                 "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(c.tensor_parallel_size),
                 "--data-parallel-size", str(c.data_parallel_size),
                 "--gpu-memory-utilization", str(c.gpu_memory_utilization),

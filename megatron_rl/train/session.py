@@ -130,8 +130,7 @@ class Session:
     def sync(self) -> dict[str, float]:
         """Push the actor's weights to the server under a new version (collective)."""
         self.version += 1
-        report = sync_weights(self.actor.model, self.adapter, self.transport, self.version,
-                              torch.float32 if self.dtype == torch.float32 else torch.bfloat16)
+        report = sync_weights(self.actor.model, self.adapter, self.transport, self.version, self.dtype)
         if report is None:
             return {}
         return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}

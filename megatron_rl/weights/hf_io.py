@@ -81,7 +81,7 @@ class HFCheckpointWriter:
         self.bytes_written = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
+        size = tensor.nbytes
         if self._pending and self._pending_bytes + size > self.max_bytes:
             self._flush()
         self._pending[name] = tensor.contiguous()

@@ -55,7 +55,7 @@ class LocalParam:
 
     @property
     def full_nbytes(self) -> int:
-        return self.param.numel() * self.param.element_size() * self.tp_size
+        return self.param.nbytes * self.tp_size
 
     def in_first_replica(self) -> bool:
         """Data-parallel rank 0 (for its kind, dense or expert): the replica whose copy is used."""

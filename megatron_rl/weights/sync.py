@@ -82,7 +82,7 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
             tensors = {name: tensor.to(dtype) for name, tensor in layer}
             transport.send_bucket(tensors)
             names += tensors
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            total += sum(t.nbytes for t in tensors.values())
             sends += 1
         if not rank0:
             return None

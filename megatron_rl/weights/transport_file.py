@@ -45,10 +45,6 @@ def _shm_root() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
-def nbytes_of(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 @dataclass
 class SegmentLayout:
     """Where each tensor of an update goes: (segment, offset), filled in stream order.
@@ -131,8 +127,6 @@ class FileTransport:
         self.overwritten = False
         """An update began over the latest one's bytes (in place) and did not finish."""
         self.version = 0
-        self.buckets = 0
-        self.bytes_sent = 0
 
     def begin(self, version: int) -> None:
         if self.in_place:
@@ -145,34 +139,27 @@ class FileTransport:
             self._unmap()
             self.dir = Path(tempfile.mkdtemp(prefix=f"megatron-rl-sync-v{version}-", dir=self.root))
         self.layout = SegmentLayout(self.segment_bytes)
-        self.tensors, self.version, self.buckets, self.bytes_sent = [], version, 0, 0
+        self.tensors, self.version = [], version
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copies the tensors now; the caller may free or change them after the call."""
         assert self.dir is not None, "begin() first"
         for name, t in tensors.items():
-            n = nbytes_of(t)
-            segment, offset = self.layout.place(n)
-            mapped = self._segment(segment, max(n, self.segment_bytes))
-            mapped.reserve(offset, n)
-            mapped.bytes[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+            segment, offset = self.layout.place(t.nbytes)
+            mapped = self._segment(segment, max(t.nbytes, self.segment_bytes))
+            mapped.reserve(offset, t.nbytes)
+            mapped.bytes[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
             self.tensors.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), segment, offset])
-            self.bytes_sent += n
-        self.buckets += 1
 
     def _segment(self, index: int, size: int) -> _MappedFile:
-        assert self.dir is not None
-        if index < len(self.files) and self.files[index].size >= size:
-            return self.files[index]
-        if index < len(self.files):
+        assert self.dir is not None and index <= len(self.files), "segments are filled in order"
+        path = self.dir / f"segment-{index:05d}.bin"
+        if index == len(self.files):
+            self.files.append(_MappedFile(path, size))
+        elif self.files[index].size < size:
             self.files[index].close()
-        mapped = _MappedFile(self.dir / f"segment-{index:05d}.bin", size)
-        if index < len(self.files):
-            self.files[index] = mapped
-        else:
-            assert index == len(self.files), "segments are filled in order"
-            self.files.append(mapped)
-        return mapped
+            self.files[index] = _MappedFile(path, size)
+        return self.files[index]
 
     def _manifest(self) -> str:
         segments = [[str(f.path), f.size] for f in self.files[:len(self.layout.sizes)]]
