@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     igaku.add_argument("--gold", required=True, help="IgakuQA directory (checkout or its data/)")
     igaku.add_argument("--system", default=None, help="system to read from a directory")
     igaku.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    _add_rule(igaku)
     igaku.set_defaults(func=run_igakuqa)
 
     comp = verbs.add_parser("compare", help="compare two prediction sets (exact McNemar)")
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     comp.add_argument("--out", default=None,
                       help="directory for compare.md, compare.json and category_delta.png")
     comp.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    _add_rule(comp)
     comp.set_defaults(func=run_compare)
 
     gen = verbs.add_parser("generate", help="raw-output predictions from a model via the rollout server")
@@ -46,6 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     gen.add_argument("--run-dir", default="runs/eval-generate", help="server log, address and token")
     gen.set_defaults(func=run_generate)
+
+
+def _add_rule(parser: argparse.ArgumentParser) -> None:
+    from megatron_rl.eval.scoring import DEFAULT_RULE, RULES
+
+    parser.add_argument("--rule", choices=RULES, default=DEFAULT_RULE,
+                        help="scoring rule: 'official' = the benchmark's evaluate_main.py "
+                             "(default); 'letter-set' = lenient letter-set parsing")
 
 
 def _print_json(obj: Any) -> None:
@@ -62,7 +72,8 @@ def run_igakuqa(args: argparse.Namespace) -> int:
     try:
         gold = load_igakuqa(args.gold).by_id()
         predictions = load_predictions(args.pred, args.system)
-        report = build_report(evaluate(gold, predictions), predictions.system)
+        report = build_report(evaluate(gold, predictions, args.rule), predictions.system,
+                              args.rule)
     except (DataError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -102,8 +113,9 @@ def run_compare(args: argparse.Namespace) -> int:
         gold = load_igakuqa(args.gold).by_id()
         pred_a = load_predictions(args.a, args.system_a)
         pred_b = load_predictions(args.b, args.system_b)
-        comparison = compare_results(evaluate(gold, pred_a), evaluate(gold, pred_b),
-                                     pred_a.system, pred_b.system)
+        comparison = compare_results(evaluate(gold, pred_a, args.rule),
+                                     evaluate(gold, pred_b, args.rule), pred_a.system,
+                                     pred_b.system, args.rule)
     except (DataError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -58,6 +58,8 @@ class IgakuQAQuestion:
     text_only: bool
     category: str = ""
     kinki: tuple[str, ...] = ()
+    # The gold list exactly as the file writes it: the benchmark's scorer compares these strings.
+    answer_as_written: tuple[str, ...] = ()
 
     @property
     def year(self) -> int:
@@ -140,15 +142,15 @@ def _question_parser(exam: int, block: str, metadata: Mapping[str, _Metadata],
             raise loc.error(f"problem_id {problem_id!r} does not belong to exam {exam} "
                             f"block {block}")
         choices = require_str_list(obj, "choices", loc)
-        answer, alternatives = _parse_answer(
-            require_str_list(obj, "answer", loc, non_empty=True), choices, loc)
+        written = require_str_list(obj, "answer", loc, non_empty=True)
+        answer, alternatives = _parse_answer(written, choices, loc)
         meta = metadata.get(problem_id, _Metadata("", ()))
         return IgakuQAQuestion(
             problem_id=problem_id, exam=exam, block=block, number=parsed[2],
             problem_text=require(obj, "problem_text", str, loc), choices=tuple(choices),
             answer=answer, alternatives=alternatives, points=_parse_points(obj, loc),
             text_only=require(obj, "text_only", bool, loc),
-            category=meta.category, kinki=meta.kinki,
+            category=meta.category, kinki=meta.kinki, answer_as_written=tuple(written),
         )
 
     return parse

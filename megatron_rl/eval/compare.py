@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.eval.igakuqa_report import QuestionResult, group_by, markdown_table, pct
+from megatron_rl.eval.scoring import DEFAULT_RULE, RULE_DESCRIPTIONS, check_rule
 from megatron_rl.eval.stats import mcnemar
 
 SIGNIFICANCE_LEVEL = 0.05
@@ -68,15 +69,16 @@ def _text_only_first(item: tuple[Any, list[Any]]) -> bool:
 
 
 def compare_results(results_a: list[QuestionResult], results_b: list[QuestionResult],
-                    name_a: str, name_b: str) -> dict[str, Any]:
-    """The comparison as plain data (what `--json` prints)."""
+                    name_a: str, name_b: str, rule: str = DEFAULT_RULE) -> dict[str, Any]:
+    """The comparison as plain data (what `--json` prints); `rule` is the one both were scored
+    with."""
     by_id_b = {r.question.problem_id: r for r in results_b}
     pairs = [(a, by_id_b[a.question.problem_id]) for a in results_a
              if a.question.problem_id in by_id_b]
     blocks_a = {r.question.exam_block for r in results_a}
     blocks_b = {r.question.exam_block for r in results_b}
     return {
-        "a": name_a, "b": name_b,
+        "a": name_a, "b": name_b, "rule": check_rule(rule),
         "excluded_blocks": sorted(blocks_a ^ blocks_b),
         "overall": _row("overall", pairs),
         "by_year": _rows(pairs, lambda r: r.question.year, str, _by_key),
@@ -103,7 +105,8 @@ def render_markdown(comparison: Mapping[str, Any]) -> str:
     a, b = comparison["a"], comparison["b"]
     parts = [f"## IgakuQA: {b} (B) vs {a} (A)", "",
              f"b = questions only A answers correctly, c = only B; exact two-sided McNemar test, "
-             f"bold p < {SIGNIFICANCE_LEVEL}.", ""]
+             f"bold p < {SIGNIFICANCE_LEVEL}. Scoring rule: "
+             f"{RULE_DESCRIPTIONS[comparison.get('rule', DEFAULT_RULE)]}.", ""]
     if comparison["excluded_blocks"]:
         parts += [f"Blocks scored on one side only (left out): "
                   f"{', '.join(comparison['excluded_blocks'])}", ""]

@@ -27,7 +27,14 @@ from typing import Any
 
 from megatron_rl.data.igakuqa import IgakuQAQuestion
 from megatron_rl.data.schema import DataError
-from megatron_rl.eval.scoring import PredictionSet, is_correct, selects_prohibited
+from megatron_rl.eval.scoring import (
+    DEFAULT_RULE,
+    RULE_DESCRIPTIONS,
+    PredictionSet,
+    check_rule,
+    is_correct,
+    selects_prohibited,
+)
 
 MAX_PROHIBITED = 3
 EXAM_BLOCKS = frozenset("ABCDEF")
@@ -68,8 +75,10 @@ class QuestionResult:
 
 
 def evaluate(gold: Mapping[str, IgakuQAQuestion], predictions: PredictionSet,
-             ) -> list[QuestionResult]:
-    """Score every gold question of the blocks the predictions cover (see module docstring)."""
+             rule: str = DEFAULT_RULE) -> list[QuestionResult]:
+    """Score every gold question of the blocks the predictions cover (see module docstring) by
+    `rule` (`scoring.RULES`)."""
+    check_rule(rule)
     for prediction in predictions.predictions.values():
         if prediction.problem_id not in gold:
             raise DataError(f"problem_id {prediction.problem_id!r} is not in the gold data",
@@ -83,7 +92,8 @@ def evaluate(gold: Mapping[str, IgakuQAQuestion], predictions: PredictionSet,
         answer = prediction.answer if prediction is not None else None
         results.append(QuestionResult(
             question=question, predicted=answer, missing=prediction is None,
-            correct=is_correct(question, answer), prohibited=selects_prohibited(question, answer),
+            correct=is_correct(question, prediction, rule),
+            prohibited=selects_prohibited(question, answer),
         ))
     return results
 
@@ -154,14 +164,16 @@ def pass_fail(year: int, results: list[QuestionResult]) -> dict[str, Any]:
             "prohibited": prohibited, "max_prohibited": MAX_PROHIBITED}
 
 
-def build_report(results: list[QuestionResult], system: str) -> dict[str, Any]:
-    """The whole report as plain data (what `--json` prints)."""
+def build_report(results: list[QuestionResult], system: str,
+                 rule: str = DEFAULT_RULE) -> dict[str, Any]:
+    """The whole report as plain data (what `--json` prints); `rule` is the one `evaluate` used."""
     by_year = group_by(results, lambda r: r.question.year)
     by_block = group_by(results, lambda r: r.question.exam_block)
     by_text = group_by(results, lambda r: r.question.text_only)
     by_category = group_by(results, lambda r: r.question.category or "(none)")
     return {
         "system": system,
+        "rule": check_rule(rule),
         "overall": GroupStats.of(results).to_dict(),
         "by_year": [{"year": y, "exam": rs[0].question.exam, **GroupStats.of(rs).to_dict(),
                      "pass": pass_fail(y, rs)} for y, rs in sorted(by_year.items())],
@@ -205,6 +217,7 @@ def _pass_cell(verdict: Mapping[str, Any]) -> str:
 def render_markdown(report: Mapping[str, Any]) -> str:
     overall = report["overall"]
     parts = [f"## IgakuQA: {report['system']}", "",
+             f"Scoring rule: {RULE_DESCRIPTIONS[report['rule']]}.", "",
              markdown_table(["Scope", *_STATS_HEADER], [["overall", *_stats_cells(overall)]]), "",
              "### By year", "",
              markdown_table(["Year", "Exam", *_STATS_HEADER, "Pass"],
