@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED = REPO_ROOT.parent / "shared"
-IGAKUQA_DIR = SHARED / "data" / "igakuqa"
 
 # Two cores: keep each test process from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -14,12 +14,16 @@ from pathlib import Path
 import pytest
 
 from megatron_rl import cli
+from tests.igakuqa_paths import (
+    FIXTURE,
+    FIXTURE_BASELINES,
+    REAL_BASELINES,
+    REAL_DIR,
+    REPO_ROOT,
+    needs_real_igakuqa,
+)
 
 Runner = Callable[..., tuple[int, str, str]]
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-IGAKUQA_DIR = REPO_ROOT.parent / "shared" / "data" / "igakuqa"
-BASELINES = IGAKUQA_DIR / "baseline_results"
 
 
 @pytest.fixture
@@ -40,8 +44,8 @@ def one_error_line(err: str) -> str:
 
 
 def test_data_prepare_igakuqa(run: Runner, tmp_path: Path) -> None:
-    rc, out, err = run("data", "prepare", "igakuqa", "--src", IGAKUQA_DIR, "--out", tmp_path,
-                       "--years", "2020,2021", "--eval-years", "2022")
+    rc, out, err = run("data", "prepare", "igakuqa", "--src", FIXTURE, "--out", tmp_path,
+                       "--years", "2018", "--eval-years", "2022")
     assert rc == 0, err
     for name in ("igakuqa_train", "igakuqa_eval", "igakuqa_sft"):
         path = tmp_path / f"{name}.jsonl"
@@ -49,7 +53,7 @@ def test_data_prepare_igakuqa(run: Runner, tmp_path: Path) -> None:
         assert f"{path}: {n_lines} records" in out
     train = [json.loads(line) for line in
              (tmp_path / "igakuqa_train.jsonl").read_text(encoding="utf-8").splitlines()]
-    assert {r["metadata"]["year"] for r in train} == {2020, 2021}
+    assert {r["metadata"]["year"] for r in train} == {2018}
     assert "excluded from training" in out
 
 
@@ -96,59 +100,78 @@ def test_data_prepare_medmcqa(run: Runner, tmp_path: Path) -> None:
 
 def test_bad_year_is_a_usage_error(run: Runner, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:
-        run("data", "prepare", "igakuqa", "--src", IGAKUQA_DIR, "--out", tmp_path,
+        run("data", "prepare", "igakuqa", "--src", FIXTURE, "--out", tmp_path,
             "--years", "18")
     assert info.value.code == 2
 
 
 def test_eval_igakuqa_markdown_and_json(run: Runner) -> None:
-    rc, out, err = run("eval", "igakuqa", "--pred", BASELINES, "--gold", IGAKUQA_DIR,
-                       "--system", "gpt4")
+    rc, out, err = run("eval", "igakuqa", "--pred", FIXTURE_BASELINES, "--gold", FIXTURE,
+                       "--system", "alpha")
     assert rc == 0, err
-    assert out.startswith("## IgakuQA: gpt4")
-    assert "### By year" in out and "| 2022 | 116 |" in out and "PASS" in out
-    rc, out, err = run("eval", "igakuqa", "--pred", BASELINES / "2022", "--gold", IGAKUQA_DIR,
-                       "--system", "chatgpt", "--json")
+    assert out.startswith("## IgakuQA: alpha")
+    assert "Scoring rule: official:" in out
+    assert "### By year" in out and "| 2022 | 116 |" in out
+    rc, out, err = run("eval", "igakuqa", "--pred", FIXTURE_BASELINES / "2022", "--gold",
+                       FIXTURE, "--system", "alpha", "--json")
     assert rc == 0, err
     report = json.loads(out)
-    assert report["system"] == "chatgpt"
-    assert report["overall"]["n"] == 400
+    assert (report["system"], report["rule"]) == ("alpha", "official")
+    assert report["overall"]["n"] == 6
     assert [y["year"] for y in report["by_year"]] == [2022]
+    # alpha writes "a, b" for 116A2: wrong for the benchmark's script, right as a letter set.
+    official = report["overall"]["correct"]
+    rc, out, err = run("eval", "igakuqa", "--pred", FIXTURE_BASELINES / "2022", "--gold",
+                       FIXTURE, "--system", "alpha", "--json", "--rule", "letter-set")
+    assert rc == 0, err
+    lenient = json.loads(out)
+    assert lenient["rule"] == "letter-set" and lenient["overall"]["correct"] == official + 1
+
+
+@needs_real_igakuqa
+def test_eval_igakuqa_on_the_real_benchmark(run: Runner) -> None:
+    rc, out, err = run("eval", "igakuqa", "--pred", REAL_BASELINES, "--gold", REAL_DIR,
+                       "--system", "gpt4")
+    assert rc == 0, err
+    assert "| 2022 | 116 |" in out and "PASS" in out
 
 
 def test_eval_igakuqa_bad_input(run: Runner, tmp_path: Path) -> None:
     pred = tmp_path / "116-A_mine.jsonl"
     pred.write_text('{"problem_id": "116A1", "prediction": "a"}\n{"problem_id": 5}\n',
                     encoding="utf-8")
-    rc, out, err = run("eval", "igakuqa", "--pred", pred, "--gold", IGAKUQA_DIR)
+    rc, out, err = run("eval", "igakuqa", "--pred", pred, "--gold", FIXTURE)
     assert rc == 1 and out == ""
     assert "116-A_mine.jsonl:2: key 'problem_id' must be str, got int" in one_error_line(err)
-    rc, _, err = run("eval", "igakuqa", "--pred", BASELINES, "--gold", IGAKUQA_DIR)
+    rc, _, err = run("eval", "igakuqa", "--pred", FIXTURE_BASELINES, "--gold", FIXTURE)
     assert rc == 1 and "--system" in one_error_line(err)
+    with pytest.raises(SystemExit) as info:
+        run("eval", "igakuqa", "--pred", FIXTURE_BASELINES, "--gold", FIXTURE, "--rule", "loose")
+    assert info.value.code == 2
 
 
 def test_eval_compare_writes_tables_json_and_png(run: Runner, tmp_path: Path) -> None:
-    rc, out, err = run("eval", "compare", BASELINES, BASELINES, "--gold", IGAKUQA_DIR,
-                       "--system-a", "gpt3", "--system-b", "chatgpt", "--out", tmp_path)
+    rc, out, err = run("eval", "compare", FIXTURE_BASELINES, FIXTURE_BASELINES, "--gold",
+                       FIXTURE, "--system-a", "beta", "--system-b", "alpha", "--out", tmp_path)
     assert rc == 0, err
-    assert out.startswith("## IgakuQA: chatgpt (B) vs gpt3 (A)")
+    assert out.startswith("## IgakuQA: alpha (B) vs beta (A)")
     assert (tmp_path / "compare.md").read_text(encoding="utf-8") == out
     comparison = json.loads((tmp_path / "compare.json").read_text(encoding="utf-8"))
-    assert comparison["overall"]["n"] == 2000
+    assert comparison["overall"]["n"] == 20 and comparison["rule"] == "official"
     assert (tmp_path / "category_delta.png").read_bytes()[:4] == b"\x89PNG"
-    rc, out, _ = run("eval", "compare", BASELINES / "2018", BASELINES / "2018", "--gold",
-                     IGAKUQA_DIR, "--system-a", "gpt4", "--system-b", "gpt4", "--json")
+    rc, out, _ = run("eval", "compare", FIXTURE_BASELINES / "2018", FIXTURE_BASELINES / "2018",
+                     "--gold", FIXTURE, "--system-a", "alpha", "--system-b", "alpha", "--json")
     assert rc == 0
     same = json.loads(out)["overall"]
-    assert (same["n"], same["b"], same["c"], same["p_value"]) == (400, 0, 0, 1.0)
+    assert (same["n"], same["b"], same["c"], same["p_value"]) == (14, 0, 0, 1.0)
 
 
 def test_eval_compare_errors(run: Runner, tmp_path: Path) -> None:
-    rc, _, err = run("eval", "compare", BASELINES, BASELINES, "--gold", IGAKUQA_DIR,
-                     "--system-a", "gpt4", "--system-b", "nosuch")
+    rc, _, err = run("eval", "compare", FIXTURE_BASELINES, FIXTURE_BASELINES, "--gold", FIXTURE,
+                     "--system-a", "alpha", "--system-b", "nosuch")
     assert rc == 1 and "no files for system 'nosuch'" in one_error_line(err)
-    rc, _, err = run("eval", "compare", BASELINES / "2018", BASELINES / "2019", "--gold",
-                     IGAKUQA_DIR, "--system-a", "gpt4", "--system-b", "gpt4")
+    rc, _, err = run("eval", "compare", FIXTURE_BASELINES / "2018", FIXTURE_BASELINES / "2022",
+                     "--gold", FIXTURE, "--system-a", "alpha", "--system-b", "alpha")
     assert rc == 1 and "share no IgakuQA exam block" in one_error_line(err)
 
 
@@ -166,11 +189,11 @@ def test_cli_in_a_fresh_interpreter_does_not_import_torch() -> None:
         "print(json.dumps({'rc': code, 'torch': 'torch' in sys.modules}), file=sys.stderr)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script, "eval", "igakuqa", "--pred", str(BASELINES / "2019"),
-         "--gold", str(IGAKUQA_DIR), "--system", "student-majority", "--json"],
+        [sys.executable, "-c", script, "eval", "igakuqa", "--pred",
+         str(FIXTURE_BASELINES / "2018"), "--gold", str(FIXTURE), "--system", "gamma", "--json"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     status = json.loads(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0 and status == {"rc": 0, "torch": False}, proc.stderr
-    assert json.loads(proc.stdout)["overall"]["n"] == 400
+    assert json.loads(proc.stdout)["overall"]["n"] == 14

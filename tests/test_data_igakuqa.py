@@ -24,13 +24,12 @@ from megatron_rl.data.schema import (
     write_jsonl,
 )
 from megatron_rl.rewards.mcq import extract_answer
+from tests.igakuqa_paths import FIXTURE, REAL_DIR, needs_real_igakuqa
 
-IGAKUQA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "igakuqa"
 
-
-def raw_questions() -> list[dict]:
+def raw_questions(root: Path = FIXTURE) -> list[dict]:
     rows = []
-    for path in sorted(glob.glob(str(IGAKUQA_DIR / "data" / "*" / "*.jsonl"))):
+    for path in sorted(glob.glob(str(root / "data" / "*" / "*.jsonl"))):
         if "_" not in Path(path).name:
             with open(path, encoding="utf-8") as handle:
                 rows.extend(json.loads(line) for line in handle)
@@ -51,11 +50,32 @@ def question_line(pid: str, answer: object = ("a",), **overrides: object) -> str
     return json.dumps(obj, ensure_ascii=False)
 
 
-# --- IgakuQA reader on the real data ---------------------------------------------------------
+# --- IgakuQA reader on the fixture and on the real data -------------------------------------
 
-def test_reads_all_real_questions_with_metadata() -> None:
+def test_reads_fixture_questions_with_metadata() -> None:
     raw = raw_questions()
-    dataset = load_igakuqa(IGAKUQA_DIR)
+    dataset = load_igakuqa(FIXTURE)
+    assert len(dataset.questions) == len(raw) == 20
+    assert dataset.years == [2018, 2022]
+    by_id = dataset.by_id()
+    for row in raw:
+        q = by_id[row["problem_id"]]
+        assert (q.problem_text, list(q.choices), q.points, q.text_only) == (
+            row["problem_text"], row["choices"], int(row["points"]), row["text_only"])
+        assert list(q.answer_as_written) == row["answer"]
+    q = by_id["112B30"]
+    assert (q.answer, q.alternatives, q.kinki, q.category) == (("a",), (("d",),), ("e",), "産科")
+    assert (q.exam, q.block, q.number, q.year, q.required, q.points) == (112, "B", 30, 2018,
+                                                                         True, 3)
+    assert by_id["112A6"].kinki == ("a", "b")  # written "ab" in the metadata
+    assert by_id["112A4"].kinki == ("b",)  # written full-width "ｂ"
+    assert by_id["116A3"].answer == ("04",) and by_id["112A5"].choices == ()
+
+
+@needs_real_igakuqa
+def test_reads_all_real_questions_with_metadata() -> None:
+    raw = raw_questions(REAL_DIR)
+    dataset = load_igakuqa(REAL_DIR)
     assert len(dataset.questions) == len(raw) == 2000
     assert dataset.years == [2018, 2019, 2020, 2021, 2022]
     by_id = dataset.by_id()
@@ -78,9 +98,9 @@ def test_reads_all_real_questions_with_metadata() -> None:
 
 
 def test_reader_accepts_the_data_subdirectory_and_year_filter() -> None:
-    dataset = load_igakuqa(IGAKUQA_DIR / "data", years=[2019])
-    assert {q.exam for q in dataset.questions} == {113}
-    assert len(dataset.questions) == 400
+    dataset = load_igakuqa(FIXTURE / "data", years=[2022])
+    assert {q.exam for q in dataset.questions} == {116}
+    assert len(dataset.questions) == 6
 
 
 def test_parse_problem_id() -> None:
@@ -237,15 +257,15 @@ def test_format_prompt_fallback_and_chat_template() -> None:
 # --- preparation -----------------------------------------------------------------------------
 
 def test_prepare_igakuqa_splits_by_year(tmp_path: Path) -> None:
-    result = prepare_igakuqa(IGAKUQA_DIR, tmp_path, train_years=[2018, 2019], eval_years=[2022])
+    result = prepare_igakuqa(FIXTURE, tmp_path, train_years=[2018], eval_years=[2022])
     train = read_prompts(tmp_path / "igakuqa_train.jsonl")
     evaluation = read_prompts(tmp_path / "igakuqa_eval.jsonl")
     sft = read_sft(tmp_path / "igakuqa_sft.jsonl")
     raw = raw_questions()
     raw_2022 = [r for r in raw if r["problem_id"].startswith("116")]
     assert len(evaluation) == len(raw_2022)
-    assert {r.metadata["year"] for r in train} == {2018, 2019}
-    usable = [r for r in raw if r["problem_id"][:3] in ("112", "113") and r["choices"]
+    assert {r.metadata["year"] for r in train} == {2018}
+    usable = [r for r in raw if r["problem_id"][:3] == "112" and r["choices"]
               and r["points"] != "0"]
     assert len(train) == len(usable) == result.counts["igakuqa_train"]
     assert [s.id for s in sft] == [p.id for p in train]
@@ -255,14 +275,14 @@ def test_prepare_igakuqa_splits_by_year(tmp_path: Path) -> None:
     b30 = next(p for p in train if p.id == "112B30")
     assert (b30.answer, b30.alternatives, b30.metadata["kinki"]) == (["a"], [["d"]], ["e"])
     summary = json.loads((tmp_path / "igakuqa_prepare.json").read_text(encoding="utf-8"))
-    assert summary["years"] == {"train": [2018, 2019], "eval": [2022]}
+    assert summary["years"] == {"train": [2018], "eval": [2022]}
 
 
 def test_prepare_igakuqa_rejects_bad_year_choices(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="both training and evaluation"):
-        prepare_igakuqa(IGAKUQA_DIR, tmp_path, train_years=[2021, 2022], eval_years=[2022])
+        prepare_igakuqa(FIXTURE, tmp_path, train_years=[2018, 2022], eval_years=[2022])
     with pytest.raises(ValueError, match="no IgakuQA data for years \\[2017\\]"):
-        prepare_igakuqa(IGAKUQA_DIR, tmp_path, train_years=[2017])
+        prepare_igakuqa(FIXTURE, tmp_path, train_years=[2017])
 
 
 # --- MedMCQA ---------------------------------------------------------------------------------

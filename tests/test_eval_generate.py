@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import main
-from tests.rollout_fixtures import REPO, TINY_MOE, tiny_model_with_tokenizer
+from megatron_rl.data.prompts import build_messages
+from megatron_rl.data.schema import PromptRecord, write_jsonl
+from tests.igakuqa_paths import FIXTURE as IGAKUQA
+from tests.rollout_fixtures import TINY_MOE, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
-IGAKUQA = REPO.parent / "shared" / "data" / "igakuqa"
 
 
 def test_generated_predictions_are_scored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,12 +39,15 @@ def test_generated_predictions_are_scored(tmp_path: Path, capsys: pytest.Capture
 
 def test_prompts_longer_than_the_context_are_refused_before_starting_a_server(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data = tmp_path / "data"
-    assert main(["data", "prepare", "igakuqa", "--src", str(IGAKUQA), "--out", str(data),
-                 "--years", "2018", "--eval-years", "2022"]) == 0
+    # A clinical vignette as long as the real exam's: ~1,500 byte-level tokens.
+    vignette = "（合成問題）65歳の男性。" + "胸痛と呼吸困難を主訴に来院した。" * 30 + "診断はどれか。"
+    prompts = tmp_path / "long.jsonl"
+    write_jsonl(prompts, [PromptRecord(id=f"116A{i}", source="igakuqa", answer=["a"],
+                                       messages=build_messages(vignette, ["甲", "乙", "丙"]))
+                          for i in range(1, 4)])
     model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model")           # 512-token context
     capsys.readouterr()
-    assert main(["eval", "generate", "--model", str(model), "--prompts", str(data / "igakuqa_eval.jsonl"),
+    assert main(["eval", "generate", "--model", str(model), "--prompts", str(prompts),
                  "--out", str(tmp_path / "p.jsonl"), "--limit", "3", "--run-dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert "do not fit the model's context of 512 tokens" in err
