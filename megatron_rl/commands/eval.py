@@ -1,7 +1,8 @@
-"""`megatron-rl eval igakuqa|compare ...`: score predictions, compare two systems.
+"""`megatron-rl eval igakuqa|compare|table ...`: score predictions, compare two systems.
 
-`eval igakuqa --pred FILE_OR_DIR --gold DIR [--system NAME] [--json]` prints the report as
-markdown tables (or JSON). `eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR]
+`eval igakuqa --pred FILE_OR_DIR --gold DIR [--system NAME] [--rule R] [--json]` prints the report
+as markdown tables (or JSON). `eval table LABEL=PATH... --gold DIR [--baseline LABEL] [--out DIR]`
+renders several systems in the published layouts (`megatron_rl.eval.table`). `eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR]
 [--json]` prints McNemar tables and, with --out, writes compare.md, compare.json and
 category_delta.png there. Bad input exits 1 with one `error: <file>:<line>: <problem>` line.
 """
@@ -39,6 +40,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     comp.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     _add_rule(comp)
     comp.set_defaults(func=run_compare)
+
+    table = verbs.add_parser("table", help="several systems in the published layouts "
+                                           "(years × All × text only, specialties, McNemar)")
+    table.add_argument("systems", nargs="+", metavar="LABEL=PATH",
+                       help="predictions per system; in a directory with several systems the "
+                            "files of system LABEL are read")
+    table.add_argument("--gold", required=True, help="IgakuQA directory (checkout or its data/)")
+    table.add_argument("--baseline", default=None,
+                       help="label the others are compared with (default: the first)")
+    table.add_argument("--out", default=None,
+                       help="directory for table.md, table.json, table.png, specialty.png")
+    table.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    _add_rule(table)
+    table.set_defaults(func=run_table)
 
     gen = verbs.add_parser("generate", help="raw-output predictions from a model via the rollout server")
     gen.add_argument("--model", required=True, help="HF model directory (with tokenizer)")
@@ -132,6 +147,51 @@ def run_compare(args: argparse.Namespace) -> int:
         plot_category_deltas(comparison, out / "category_delta.png")
     if args.json:
         _print_json(comparison)
+    else:
+        sys.stdout.write(markdown)
+    return 0
+
+
+def _load_system(spec: Any, gold: Any, rule: str) -> list[Any]:
+    from pathlib import Path
+
+    from megatron_rl.eval.igakuqa_report import evaluate
+    from megatron_rl.eval.scoring import files_by_system, load_predictions
+
+    path = Path(spec.path)
+    # A directory of several systems (e.g. the benchmark's baseline_results): the label names one.
+    system = spec.label if path.is_dir() and spec.label in files_by_system(path) else None
+    return evaluate(gold, load_predictions(path, system), rule)
+
+
+def run_table(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_rl.data.igakuqa import load_igakuqa
+    from megatron_rl.data.schema import DataError
+    from megatron_rl.eval.table import build_table, parse_system_spec, plot_table, render_markdown
+
+    try:
+        specs = [parse_system_spec(text) for text in args.systems]
+        labels = [s.label for s in specs]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"system labels must be unique, got {', '.join(labels)}")
+        gold = load_igakuqa(args.gold).by_id()
+        results = {s.label: _load_system(s, gold, args.rule) for s in specs}
+        table = build_table(results, args.baseline or labels[0], args.rule)
+    except (DataError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    markdown = render_markdown(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.md").write_text(markdown, encoding="utf-8")
+        (out / "table.json").write_text(json.dumps(table, ensure_ascii=False, indent=2) + "\n",
+                                        encoding="utf-8")
+        plot_table(table, out / "table.png", out / "specialty.png")
+    if args.json:
+        _print_json(table)
     else:
         sys.stdout.write(markdown)
     return 0

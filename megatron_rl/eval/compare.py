@@ -19,7 +19,7 @@ from typing import Any
 
 from megatron_rl.eval.igakuqa_report import QuestionResult, group_by, markdown_table, pct
 from megatron_rl.eval.scoring import DEFAULT_RULE, RULE_DESCRIPTIONS, check_rule
-from megatron_rl.eval.stats import mcnemar
+from megatron_rl.eval.stats import format_p, mcnemar
 
 SIGNIFICANCE_LEVEL = 0.05
 CJK_FONT_HINTS: tuple[str, ...] = ("Noto Sans CJK", "IPAGothic", "IPAexGothic", "TakaoGothic")
@@ -89,8 +89,7 @@ def compare_results(results_a: list[QuestionResult], results_b: list[QuestionRes
 
 
 def _p_cell(p: float) -> str:
-    text = "<0.001" if p < 0.001 else f"{p:.3f}"
-    return f"**{text}**" if p < SIGNIFICANCE_LEVEL else text
+    return format_p(p)
 
 
 def _delta_table(rows: list[Mapping[str, Any]], first: str, name_a: str, name_b: str) -> str:
@@ -105,7 +104,7 @@ def render_markdown(comparison: Mapping[str, Any]) -> str:
     a, b = comparison["a"], comparison["b"]
     parts = [f"## IgakuQA: {b} (B) vs {a} (A)", "",
              f"b = questions only A answers correctly, c = only B; exact two-sided McNemar test, "
-             f"bold p < {SIGNIFICANCE_LEVEL}. Scoring rule: "
+             f"* p < 0.05, ** p < 0.01 (exact p in the JSON). Scoring rule: "
              f"{RULE_DESCRIPTIONS[comparison.get('rule', DEFAULT_RULE)]}.", ""]
     if comparison["excluded_blocks"]:
         parts += [f"Blocks scored on one side only (left out): "
@@ -117,27 +116,32 @@ def render_markdown(comparison: Mapping[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def cjk_font() -> str | None:
+    """An installed CJK font, or None. Category names are Japanese; without such a font they
+    would render as boxes, so the plots fall back to English names for the IgakuQA specialties."""
+    from matplotlib import font_manager
+
+    return next((f.name for f in font_manager.fontManager.ttflist
+                 if any(k in f.name for k in CJK_FONT_HINTS)), None)
+
+
 def plot_category_deltas(comparison: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Horizontal bar chart of per-category accuracy deltas (B − A), significant bars darker."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib import font_manager
 
     rows = sorted(comparison["by_category"], key=lambda r: r["delta"])
-    # Category names are Japanese; without a CJK font they would render as boxes, so fall back
-    # to English names for the IgakuQA specialties.
-    cjk = [f.name for f in font_manager.fontManager.ttflist
-           if any(k in f.name for k in CJK_FONT_HINTS)]
-    names = [r["subset"] if cjk else CATEGORY_EN.get(r["subset"], r["subset"]) for r in rows]
+    font = cjk_font()
+    names = [r["subset"] if font else CATEGORY_EN.get(r["subset"], r["subset"]) for r in rows]
     labels = [f"{name} (n={r['n']})" for name, r in zip(names, rows, strict=True)]
     deltas = [100 * r["delta"] for r in rows]
     colors = ["#1f5fa8" if r["p_value"] < SIGNIFICANCE_LEVEL else "#9bbbe0" for r in rows]
     fig, ax = plt.subplots(figsize=(8, max(3.0, 0.3 * len(rows) + 1.5)))
     try:
-        if cjk:
-            ax.set_yticks(range(len(rows)), labels, fontfamily=cjk[0])
+        if font:
+            ax.set_yticks(range(len(rows)), labels, fontfamily=font)
         else:
             ax.set_yticks(range(len(rows)), labels)
         ax.barh(range(len(rows)), deltas, color=colors)

@@ -119,6 +119,16 @@ def _parse_prediction(obj: dict[str, Any], loc: Location) -> Prediction:
     return Prediction(problem_id, answer, loc.path, loc.line, text)
 
 
+def files_by_system(root: Path) -> dict[str, list[Path]]:
+    """The `<exam>-<block>_<system>.jsonl` files under a directory, by system name."""
+    by_system: dict[str, list[Path]] = {}
+    for file in sorted(root.rglob("*.jsonl")):
+        match = _PREDICTION_FILE.fullmatch(file.name)
+        if match:
+            by_system.setdefault(match.group(3), []).append(file)
+    return by_system
+
+
 def prediction_files(path: str | os.PathLike[str], system: str | None) -> tuple[str, list[Path]]:
     """(system name, files) for a prediction file or a directory of IgakuQA-named files."""
     root = Path(path)
@@ -130,11 +140,7 @@ def prediction_files(path: str | os.PathLike[str], system: str | None) -> tuple[
         return name, [root]
     if not root.is_dir():
         raise DataError("prediction file or directory does not exist", root)
-    by_system: dict[str, list[Path]] = {}
-    for file in sorted(root.rglob("*.jsonl")):
-        match = _PREDICTION_FILE.fullmatch(file.name)
-        if match:
-            by_system.setdefault(match.group(3), []).append(file)
+    by_system = files_by_system(root)
     if not by_system:
         raise DataError("no prediction files named <exam>-<block>_<system>.jsonl", root)
     if system is None:

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The published tables' marks: ** for p < 0.01, * for p < 0.05 (strict: p = 0.05 is unmarked).
+SIGNIFICANCE_MARKS: tuple[tuple[float, str], ...] = ((0.01, "**"), (0.05, "*"))
+
 
 @dataclass(frozen=True)
 class McNemarResult:
@@ -62,3 +65,18 @@ def mcnemar(a_correct: list[bool], b_correct: list[bool]) -> McNemarResult:
     b = sum(1 for x, y in zip(a_correct, b_correct, strict=True) if x and not y)
     c = sum(1 for x, y in zip(a_correct, b_correct, strict=True) if y and not x)
     return McNemarResult(b=b, c=c, p_value=mcnemar_exact(b, c))
+
+
+def significance_mark(p_value: float) -> str:
+    """"**" below 0.01, "*" below 0.05, "" otherwise."""
+    for threshold, mark in SIGNIFICANCE_MARKS:
+        if p_value < threshold:
+            return mark
+    return ""
+
+
+def format_p(p_value: float) -> str:
+    """Three significant digits, as the published tables print them (0.0013, 0.349, 0.775),
+    followed by the mark; the exact value belongs in the JSON."""
+    mark = significance_mark(p_value)
+    return f"{p_value:.3g}" + (f" {mark}" if mark else "")
