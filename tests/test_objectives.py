@@ -391,6 +391,20 @@ def test_mu_schedule_boundaries() -> None:
         assert mu_schedule(step, **kw) == pytest.approx(ref_mu(step, 0.9, 0.05, 10, 20), abs=1e-15)
 
 
+def test_chord_mu_counts_optimizer_steps() -> None:
+    from megatron_rl.objectives.chord import optimizer_step
+
+    spg = 5  # the published GRPO/CHORD steps_per_generation
+    seen = [optimizer_step(step, spg, i) for step in range(1, 5) for i in range(spg)]
+    assert seen == list(range(20))  # contiguous across rollout steps, one per update
+    # decay_steps 500 ends after 500 updates = 100 rollout steps, not 500 rollout steps.
+    assert mu_schedule(optimizer_step(101, spg, 0), 0.1, 0.01, 0, 500) == pytest.approx(0.01)
+    at_100 = optimizer_step(21, spg, 0)
+    assert at_100 == 100
+    expected = 0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * 100 / 500))  # 0.0914
+    assert mu_schedule(at_100, 0.1, 0.01, 0, 500) == pytest.approx(expected, abs=1e-15)
+
+
 def test_phi_weights_peak_at_half() -> None:
     p = torch.linspace(0.01, 0.99, 99, dtype=torch.float64)
     phi = phi_weights(p.log().requires_grad_())

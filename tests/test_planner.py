@@ -320,6 +320,14 @@ def test_production_recipe_carries_the_published_setup(path: Path) -> None:
     if a.name == "chord":
         c = a.chord
         assert (c.mu_peak, c.mu_valley, c.mu_decay_steps, c.phi) == (0.1, 0.01, 500, False)
+        assert c.mu_warmup_steps == 0
+    # Where the article is silent, ms-swift 3.11's Megatron GRPO defaults (recipes/base comments).
+    assert (cfg.rollout.top_p, cfg.rollout.top_k, a.loss_agg_mode) == (0.9, 50,
+                                                                       "seq-mean-token-mean")
+    t = cfg.trainer
+    assert (t.lr_decay_style, t.min_lr, t.lr_warmup_ratio) == ("cosine", 0.0, 0.0)
+    assert (t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps, t.clip_grad) == (
+        0.1, 0.9, 0.95, 1e-8, 1.0)
 
 
 def test_production_node_counts() -> None:

@@ -79,10 +79,15 @@ def test_short_runs_train_sync_and_log(recipe: str, extra: list[str], tmp_path: 
         from megatron_rl.config import load_recipe
         from megatron_rl.objectives import mu_schedule
 
-        c = load_recipe(REPO / "recipes" / "tiny" / recipe).algorithm.chord
+        from megatron_rl.objectives.chord import optimizer_step
+
+        a = load_recipe(REPO / "recipes" / "tiny" / recipe).algorithm
+        c, spg = a.chord, a.steps_per_generation
         for r in rows:
             assert "train/loss/sft" in r
-            expected = mu_schedule(r["step"] - 1, c.mu_peak, c.mu_valley, c.mu_warmup_steps, c.mu_decay_steps)
+            # The logged update is the step's last one; μ counts optimizer steps.
+            at = optimizer_step(r["step"], spg, spg - 1)
+            expected = mu_schedule(at, c.mu_peak, c.mu_valley, c.mu_warmup_steps, c.mu_decay_steps)
             assert r["train/const/mu"] == pytest.approx(expected)
         assert rows[-1]["train/const/mu"] > 0
     if recipe == "grpo.yaml":

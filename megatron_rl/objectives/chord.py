@@ -21,9 +21,19 @@ from megatron_rl.objectives.registry import get_objective, register_objective
 from megatron_rl.objectives.types import LossInputs, LossOutput, ObjectiveConfig
 
 
+def optimizer_step(rollout_step: int, steps_per_generation: int, minibatch: int) -> int:
+    """Optimizer updates done before minibatch ``minibatch`` (0-based) of rollout step
+    ``rollout_step`` (1-based): the unit of μ's schedule. ms-swift's CHORD counts
+    ``trainer.state.global_step``, i.e. optimizer steps (swift/trainers/rlhf_trainer/utils.py,
+    release/3.11), and so does our LR schedule; counting rollout steps instead would make
+    "decay over 500 steps" last 500 × steps_per_generation updates."""
+    return (rollout_step - 1) * steps_per_generation + minibatch
+
+
 def mu_schedule(step: int, mu_peak: float, mu_valley: float, warmup_steps: int, decay_steps: int) -> float:
-    """μ_t: linear 0 → μ_peak over ``warmup_steps``, cosine μ_peak → μ_valley over
-    ``decay_steps``, then constant μ_valley (μ(warmup) = μ_peak, μ(warmup+decay) = μ_valley)."""
+    """μ_t at optimizer step ``step`` (``optimizer_step``): linear 0 → μ_peak over
+    ``warmup_steps``, cosine μ_peak → μ_valley over ``decay_steps``, then constant μ_valley
+    (μ(warmup) = μ_peak, μ(warmup+decay) = μ_valley)."""
     if step < warmup_steps:
         return mu_peak * step / warmup_steps
     if step < warmup_steps + decay_steps:

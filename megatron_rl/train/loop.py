@@ -9,6 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
+from ..objectives.chord import optimizer_step
 from .batch import build_batch, kl_penalty, score_groups, set_advantages
 from .metrics_log import MetricsLog, console_line
 from .rollout_phase import generate_groups
@@ -56,10 +57,12 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             set_advantages(scored, a.advantage, a.mask_zero_variance_groups, penalty)
             updates = []
             with timed(timings, "train"):
-                for mb in minibatches(batch, a.steps_per_generation):
+                for i, mb in enumerate(minibatches(batch, a.steps_per_generation)):
                     if session.sft is not None:
                         mb.sft_tokens, mb.sft_mask = sft_batch(session, seq_len, pad)
-                    updates.append(session.actor.train_step(mb, objective, a.name, temperature, rl_step=step - 1))
+                    # CHORD's μ counts optimizer steps (as ms-swift does), not rollout steps.
+                    updates.append(session.actor.train_step(mb, objective, a.name, temperature,
+                                                            rl_step=optimizer_step(step, a.steps_per_generation, i)))
             bad = all(u["update_skipped"] for u in updates)
             bad_in_row = bad_in_row + 1 if bad else 0
             if bad_in_row >= t.max_bad_steps_in_row:
