@@ -96,6 +96,20 @@ def test_active_params_by_hand(hf: dict[str, Any], moe_layers: int) -> None:
     assert got.architecture == hf["architectures"][0]
 
 
+def test_transformers_5_expert_key_is_read() -> None:
+    # transformers 5 serialises Qwen3MoeConfig(num_experts=E) as num_local_experts E and
+    # num_experts None; the count must not fall back to a dense model (or fail on the None).
+    from transformers import Qwen3MoeConfig
+
+    written = Qwen3MoeConfig(**{k: v for k, v in TINY_MOE.items()
+                                if k not in ("architectures", "model_type")}).to_dict()
+    hf = dict(written, architectures=TINY_MOE["architectures"])
+    assert count_params(hf).total == count_params(TINY_MOE).total == _numel(_real_model(TINY_MOE))
+    assert count_params(hf).active == count_params(TINY_MOE).active
+    t5 = dict(TINY_MOE, num_experts=None, num_local_experts=TINY_MOE["num_experts"])
+    assert count_params(t5).total == count_params(TINY_MOE).total
+
+
 def test_mtp_is_counted_only_when_declared() -> None:
     # fc over [embedding; hidden] (2h·h), two pre-fc norms and a final norm (3h), plus one
     # full-attention MoE decoder layer: the real model's layer 3 (full attention, MoE, 2 norms).

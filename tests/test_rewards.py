@@ -124,6 +124,12 @@ def test_prohibited_choice_penalises_kinki_only() -> None:
     ("ﾊﾝｶｸｶﾅ。ABC。ﾃﾞｽ。", 1.0),
     ("", 1.0),
     ("よって答えは次の通り。[ans]a[/ans]。[ans]b[/ans]。", 1.0),
+    # ー and ・ are not kana letters: Chinese sentences containing them are still kana-free.
+    ("维生素B・C缺乏。治疗是补充维生素", 0.0),
+    ("使用胰岛素ー治疗。血糖控制良好", 0.0),
+    ("使用胰岛素ｰ治疗。血糖控制･良好", 0.0),
+    ("コーヒーを控える。ビタミンB・C欠乏。", 1.0),
+    ("ㇰㇱ。ABC。ｱｲ。", 1.0),
 ])
 def test_japanese_only(response: str, expected: float) -> None:
     assert japanese_only(response, {}) == expected
@@ -154,6 +160,31 @@ MED = {"answer": ["b"]}
 def test_medmcqa_strict_and_flexible(response: str, strict: float, flexible: float) -> None:
     assert medmcqa_strict(response, MED) == strict
     assert medmcqa_flexible(response, MED) == flexible
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("Answer: a patient with anemia would", None),   # published reward: A
+    ("This is also a cause of bleeding.", None),      # published reward: A ("so a" in "also a")
+    ("The correct answer is B. Then again, Answer: C", "b"),  # published: C (pattern order)
+    ("答え: A\nAnswer: B", "b"),                       # published: A (答え: ranks first)
+    ("Answer: B" + " filler" * 60, "b"),              # published: none (300-char window)
+    ("[ans]b[/ans]", "b"),                             # published: none (no tag pattern)
+])
+def test_medmcqa_differs_from_the_published_extractor_as_documented(
+        response: str, expected: str | None) -> None:
+    from megatron_rl.rewards.medmcqa import extract_medmcqa_answer
+
+    got = extract_medmcqa_answer(response, flexible=False)
+    assert got == (None if expected is None else frozenset({expected}))
+
+
+def test_medmcqa_reward_uses_each_completions_own_gold() -> None:
+    # The published reward took gold by batch position; here the score follows the sample.
+    samples = [{"answer": [g]} for g in "abcd"]
+    responses = [f"Answer: {g.upper()}" for g in "abcd"]
+    forward = [medmcqa_strict(r, s) for r, s in zip(responses, samples, strict=True)]
+    backward = [medmcqa_strict(r, s) for r, s in zip(responses[::-1], samples[::-1], strict=True)]
+    assert forward == backward[::-1] == [1.0] * 4
 
 
 def test_medmcqa_priority_and_last_match() -> None:

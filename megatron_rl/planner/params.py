@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from megatron_rl.model_config import num_experts
+
 COMPONENTS: tuple[str, ...] = ("embedding", "output", "attention", "linear_attention", "dense_mlp",
                                "moe_experts", "shared_experts", "router", "norms", "mtp")
 
@@ -163,7 +165,9 @@ def _layer_types(hf: Mapping[str, Any], layers: int, spec: ArchSpec) -> tuple[st
 def read_dims(hf: Mapping[str, Any], spec: ArchSpec) -> Dims:
     hidden, heads = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
     layers = _int(hf, "num_hidden_layers")
-    moe = spec.moe and _int(hf, "num_experts", 0) > 0
+    # transformers 5 writes `num_local_experts` (and `num_experts: None`); one reader for both.
+    experts = num_experts(dict(hf)) if spec.moe else 0
+    moe = experts > 0
     return Dims(
         hidden=hidden, vocab=_int(hf, "vocab_size"), layers=layers, heads=heads,
         kv_heads=_int(hf, "num_key_value_heads", heads),
@@ -171,7 +175,7 @@ def read_dims(hf: Mapping[str, Any], spec: ArchSpec) -> Dims:
         intermediate=_int(hf, "intermediate_size"),
         attention_bias=bool(hf.get("attention_bias", False)),
         tied=bool(hf.get("tie_word_embeddings", False)),
-        experts=_int(hf, "num_experts") if moe else 0,
+        experts=experts,
         top_k=_int(hf, "num_experts_per_tok") if moe else 0,
         moe_intermediate=_int(hf, "moe_intermediate_size") if moe else 0,
         shared_intermediate=_int(hf, "shared_expert_intermediate_size", 0) if spec.shared_expert else 0,

@@ -1,7 +1,11 @@
 """Language-consistency reward: penalise responses that drift out of Japanese.
 
 `japanese_only` splits the response on `。` and returns 0.0 as soon as two consecutive non-empty
-sentences contain no hiragana or katakana (full- or half-width); otherwise 1.0. One kana-free
+sentences contain no kana letter; otherwise 1.0. Kana letters are hiragana ぁ–ゖ (U+3041–3096),
+katakana ァ–ヺ (U+30A1–30FA) and ㇰ–ㇿ (U+31F0–31FF), and half-width ｦ–ｯ, ｱ–ﾝ (U+FF66–FF6F,
+U+FF71–FF9D). Not counted: the long-vowel mark ー/ｰ, the middle dot ・/･, iteration marks
+(ゝゞヽヾ) and (semi-)voiced sound marks: they appear in Chinese text too (维生素B・C, 胰岛素ー),
+and a sentence whose only "kana" is one of them is not Japanese. One kana-free
 sentence is tolerated because Japanese medical text legitimately has some (a lab value line, an
 English drug name, the answer tag). Answer tags `[ans]…[/ans]` are removed before the check.
 
@@ -25,7 +29,7 @@ from megatron_rl.rewards.registry import register_reward, tail
 LANGUAGE_SCAN_CHARS = 16384
 SENTENCE_END = "。"
 
-_KANA = re.compile("[\u3041-\u309f\u30a0-\u30ff\uff66-\uff9f]")
+_KANA = re.compile("[\u3041-\u3096\u30a1-\u30fa\u31f0-\u31ff\uff66-\uff6f\uff71-\uff9d]")
 _ANSWER_SPAN = re.compile(r"\[ans\][^\[\]]{0,128}\[/ans\]", re.IGNORECASE)
 
 

@@ -23,6 +23,23 @@ format credit; no answer → 0.0.
 
 All patterns use only bounded quantifiers (`{0,4}`), so matching cannot backtrack
 catastrophically, and the input is the bounded tail.
+
+Not the published MedMCQA reward (the Qwen3-235B GSPO attempt, ms-swift plugin), on purpose. That
+reward's strict mode looks at the last 300 characters, tries ten case-insensitive patterns
+("答え:", "Answer:", "正解:", "The correct answer is", "X is the correct answer", "選択肢X",
+"Therefore, X", "So, X", "最終的な答えは", "Final answer:") with unbounded `\\s*`, and its flexible
+mode is the last standalone capital A–D. It reads "Answer: a patient…" as A, "…is also a cause…"
+as A ("so a" inside "also a"), and prefers an earlier "答え:" over a later "Answer:". Its scores
+(1.0 / 0.1 / 0.0) are the ones used here. Beyond the extractor it had three defects, so its reward
+curve cannot be compared with this one:
+- label offset: the Hugging Face copy of MedMCQA stores `cop` 0–3, the reward mapped 1–4 to A–D,
+  so every gold letter was shifted and answer "a" could never score (here `data prepare medmcqa
+  --cop-base 0` reads that copy correctly);
+- gold by batch position: it took the i-th gold of the dataset for the i-th completion of a
+  batch (no `indices` kwarg is passed by ms-swift), not the completion's own question (here each
+  reward call receives its own sample);
+- the options were not in the prompt (only `question` is mapped to the query), while the system
+  prompt asked for A–D (here the prompt lists them, `data.prompts`).
 """
 
 from __future__ import annotations
