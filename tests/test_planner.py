@@ -327,7 +327,8 @@ def test_production_recipe_carries_the_published_setup(path: Path) -> None:
     a = cfg.algorithm
     assert (cfg.trainer.lr, a.kl_beta, cfg.model.reference) == (1e-6, 0.1, "init")
     assert (cfg.trainer.global_batch_size, cfg.rollout.n, cfg.rollout.temperature) == (512, 16, 0.9)
-    assert cfg.rollout.max_prompt_length + cfg.rollout.max_response_length == 4096
+    # ms-swift reads "max_length 4096" as the prompt cap; completions at its default 512.
+    assert (cfg.rollout.max_prompt_length, cfg.rollout.max_response_length) == (4096, 512)
     assert (cfg.trainer.epochs, cfg.rewards.weights) == (5, {"mcq_answer": 1.5, "japanese_only": 1.0})
     expected = {"grpo": (0.2, 0.2, 5), "chord": (0.2, 0.2, 5), "gspo": (3e-4, 4e-4, 3)}[path.stem]
     assert (a.name, a.clip_eps_low, a.clip_eps_high, a.steps_per_generation) == (path.stem, *expected)
