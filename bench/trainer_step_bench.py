@@ -87,7 +87,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, float]:
     init_parallel(ParallelLayout(), seed=1)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     actor = Actor(build_model_recipe(dict(MODEL), ParallelLayout(), dtype), OptimSettings(lr=1e-5, total_steps=100),
-                  micro_batch_size=args.micro_batch_size, max_tokens_per_microbatch=budget if variant == "budget" else None)
+                  micro_batch_size=args.micro_batch_size,
+                  max_tokens_per_microbatch=budget if variant == "budget" else None)
     batch = make_batch(length_mix(args.rows, args.max_prompt, args.max_response, budget, args.seed), seq_len,
                        MODEL["vocab_size"], args.seed)
     cfg = ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.28)
@@ -117,8 +118,8 @@ def _spawn(variant: str, args: argparse.Namespace) -> dict:
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    cmd = [sys.executable, __file__, "--child", variant] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                                             if k not in ("child", "json_out")]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "json_out")]
+    cmd = [sys.executable, __file__, "--child", variant, *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         return {"failed": done.stderr.strip()[-800:] or f"exit code {done.returncode}"}
@@ -151,7 +152,8 @@ def main() -> None:
     if "step_s" in padded and "step_s" in budget:
         out["step_time_ratio"] = budget["step_s"] / padded["step_s"]
         out["peak_memory_ratio"] = budget["peak_bytes"] / padded["peak_bytes"]
-        out["max_loss_rel_diff"] = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(padded["losses"], budget["losses"]))
+        out["max_loss_rel_diff"] = max(abs(a - b) / max(abs(a), 1e-12)
+                                       for a, b in zip(padded["losses"], budget["losses"]))
     emit(out, started, args.json_out)
 
 

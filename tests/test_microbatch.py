@@ -74,7 +74,8 @@ def test_bad_row_counts_are_refused() -> None:
 def test_take_cuts_rows_and_pads_only_past_the_batch_width() -> None:
     g = torch.Generator().manual_seed(0)
     n, length = 5, 10
-    batch = TrainBatch(tokens=torch.randint(1, 50, (n, length), generator=g), mask=torch.rand(n, length - 1, generator=g),
+    batch = TrainBatch(tokens=torch.randint(1, 50, (n, length), generator=g),
+                       mask=torch.rand(n, length - 1, generator=g),
                        advantages=torch.randn(n, generator=g), old_logprobs=torch.randn(n, length - 1, generator=g),
                        sft_tokens=torch.randint(1, 50, (3, 7), generator=g), sft_mask=torch.rand(3, 6, generator=g))
     [[mb]] = plan_microbatches([4, 6], dp=1, budget=100, sft_lengths=[3])

@@ -204,7 +204,10 @@ class Actor:
         )
 
     def compute_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        """Per-target-position log-probs of `batch.tokens` [N, L−1], on every rank."""
+        """Per-target-position log-probs of `batch.tokens` [N, L−1], on every rank.
+
+        With a token budget a row is computed only through its last masked target (`batch.mask`);
+        the positions after it hold 0 or a pad's log-prob, as the padded path's pads do."""
         self.model.eval()
         # Any number of rows: pad with copies of row 0 up to a multiple of DP × micro-batch.
         n = batch.num_rows
@@ -227,26 +230,28 @@ class Actor:
         if ps.is_pipeline_last_stage():
             parts = [r["logprobs"] for r in reports]
             full = self._gather_dp(torch.cat(parts, dim=0)) if plans is None else \
-                self._scatter_dp(plans, parts, rows.num_rows, rows.mask.shape[1])
+                self._scatter_dp(plans, parts, rows.num_rows, rows.mask.shape[1], max(needed_lengths(rows.mask)) - 1)
             full = full[:n]
         return _broadcast_from_last_stage(full)
 
     @staticmethod
     def _scatter_dp(plans: list[MicroBatchPlan], parts: list[torch.Tensor], num_rows: int,
-                    width: int) -> torch.Tensor:
-        """Every rank's micro-batch log-probs in batch order, zero after each row's cut.
+                    width: int, used: int) -> torch.Tensor:
+        """Every rank's micro-batch log-probs in batch order, [num_rows, width], zero after each
+        row's cut; only the first `used` columns (the batch's longest need) travel.
 
         Each row lives on exactly one DP rank, so a sum over ranks of zero-filled buffers is
         exact; NCCL needs the buffer on the GPU, gloo takes it where it is."""
         group = ps.get_data_parallel_group()
         home = parts[0].device
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else home
-        full = torch.zeros(num_rows, width, dtype=parts[0].dtype, device=device)
+        used = min(used, width)
+        full = torch.zeros(num_rows, used, dtype=parts[0].dtype, device=device)
         for plan, logp in zip(plans, parts):
-            w = min(width, logp.shape[1])
+            w = min(used, logp.shape[1])
             full[torch.tensor(plan.rows, device=device), :w] = logp[:, :w].to(device)
         dist.all_reduce(full, group=group)
-        return full.to(home)
+        return torch.nn.functional.pad(full, (0, width - used)).to(home)
 
     @staticmethod
     def _gather_dp(local: torch.Tensor) -> torch.Tensor:
