@@ -91,6 +91,7 @@ def test_budget_microbatches_equal_the_padded_path(kind: str, tiny_moe: Path, tm
         counts = got["budget_microbatch_counts"]
         assert len(set(counts)) == 1, (case, counts)                            # same count on every rank
         assert got["logprob_diff"] <= 2e-6, case
+        assert got["odd_rows_diff"] <= 2e-6 and got["odd_rows_shape"] == [7, 23], case
         assert got["losses"][1] == pytest.approx(got["losses"][0], rel=LOSS_RTOL), case
         assert got["grad_norms"][1] == pytest.approx(got["grad_norms"][0], rel=LOSS_RTOL), case
         assert got["metric_keys_same"], case

@@ -214,9 +214,10 @@ class Actor:
         budget = self.max_tokens_per_microbatch is not None
         unit = ps.get_data_parallel_world_size() * (1 if budget else self.micro_batch_size)
         extra = (-n) % unit
-        pad_rows = lambda t: torch.cat([t, t[:1].expand(extra, -1)]) if extra else t  # noqa: E731
-        # The mask tells the budget path how far each row must be computed.
-        rows = TrainBatch(pad_rows(batch.tokens), pad_rows(batch.mask), torch.zeros(n + extra))
+        tokens = torch.cat([batch.tokens, batch.tokens[:1].expand(extra, -1)]) if extra else batch.tokens
+        # The mask tells the budget path how far each row must be computed (filler rows: 2 tokens).
+        mask = torch.cat([batch.mask, batch.mask.new_zeros(extra, batch.mask.shape[1])]) if extra else batch.mask
+        rows = TrainBatch(tokens, mask, torch.zeros(n + extra))
         plans = self._budget_plans(rows) if budget else None
         mbs = [take(rows, p) for p in plans] if plans is not None else self._local_microbatches(rows)
 

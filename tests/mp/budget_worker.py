@@ -76,6 +76,8 @@ def run(hf_dir: str, layout: ParallelLayout, objective: str, budget: int | None)
     actor.optimizer.step = recording_step
     batch = make_batch(hf["vocab_size"])
     old = actor.compute_logprobs(batch, temperature=1.0)
+    # An odd row count: filler rows complete the DP split and are dropped again.
+    odd = actor.compute_logprobs(batch.rows(0, 7), temperature=1.0)
     batch.old_logprobs, batch.ref_logprobs = old, old.clone() - 0.05
     if objective == "chord":
         add_sft(batch, hf["vocab_size"])
@@ -83,7 +85,7 @@ def run(hf_dir: str, layout: ParallelLayout, objective: str, budget: int | None)
                for s in range(2)]
     weights = torch.cat([p.detach().reshape(-1).clone() for p in actor.model.parameters()])
     mbs = actor._local_microbatches(batch)
-    return {"old": old, "mask": batch.mask, "metrics": metrics, "grads": grads, "weights": weights,
+    return {"old": old, "odd": odd, "mask": batch.mask, "metrics": metrics, "grads": grads, "weights": weights,
             "microbatches": len(mbs), "widths": [mb.tokens.shape[1] for mb in mbs]}
 
 
@@ -101,6 +103,8 @@ def compare(padded: dict, budget: dict) -> dict:
     grad_scale = max(float(a.abs().max()) for a in padded["grads"])
     return {
         "logprob_diff": _max_all(float(((padded["old"] - budget["old"]).abs() * upto).max())),
+        "odd_rows_diff": _max_all(float(((budget["odd"] - budget["old"][:7]).abs() * upto[:7]).max())),
+        "odd_rows_shape": list(budget["odd"].shape),
         "losses": [[m["loss/total"] for m in padded["metrics"]], [m["loss/total"] for m in budget["metrics"]]],
         "grad_norms": [[m["grad_norm"] for m in padded["metrics"]], [m["grad_norm"] for m in budget["metrics"]]],
         "metric_keys_same": sorted(padded["metrics"][0]) == sorted(budget["metrics"][0]),
