@@ -1,10 +1,11 @@
 """torchrun worker: token-budget micro-batches vs the padded path, same layout, same checkpoint.
 
-Run as `torchrun --nproc-per-node 2 tests/mp/budget_worker.py HF_DIR KIND OUT_JSON` (KIND: moe or
-dense). For every layout and objective, one actor runs the padded path (fixed micro-batches of
-the batch's full width) and one the budget path (length groups cut to their longest row, a
-different number of micro-batches per step); rank 0 writes, per case, the largest differences of
-the old log-probs, the losses, the reduced gradients of both steps and the final weights.
+Run as `torchrun --nproc-per-node 2 tests/mp/budget_worker.py HF_DIR KIND OUT_JSON` (KIND: moe,
+dense, or next: a Qwen3-Next with Gated DeltaNet layers). For every layout and objective, one
+actor runs the padded path (fixed micro-batches of the batch's full width) and one the budget
+path (length groups cut to their longest row, a different number of micro-batches per step);
+rank 0 writes, per case, the largest differences of the old log-probs, the losses, the reduced
+gradients of both steps and the final weights.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ CASES = {
     "moe": {"tp1": ("grpo", "chord"), "tp2_sp": ("grpo",), "ep2": ("grpo",), "pp2": ("grpo", "chord"),
             "tp2_ep2_etp1": ("grpo", "chord")},
     "dense": {"tp1": ("grpo", "chord"), "tp2_sp": ("grpo",), "pp2": ("grpo", "chord")},
+    "next": {"tp1": ("grpo",), "tp2_sp": ("grpo",), "pp2": ("grpo",)},        # Gated DeltaNet layers
 }
 OBJECTIVES = {
     "grpo": ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05, entropy_coef=0.01),
