@@ -144,15 +144,46 @@ def _batch(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     t, r = cfg.trainer, cfg.rollout
     dp = data_parallel_size(cfg)
     out: list[Finding] = []
-    if t.global_batch_size % (dp * t.micro_batch_size):
+    mbs = 1 if t.max_tokens_per_microbatch is not None else t.micro_batch_size   # budget: any rows per micro-batch
+    if t.global_batch_size % (dp * mbs):
         out.append(Finding("error", "batch-sizes", "trainer.global_batch_size",
                            f"{t.global_batch_size} is not divisible by DP × micro_batch_size "
-                           f"= {dp} × {t.micro_batch_size}"))
+                           f"= {dp} × {mbs}"))
     rollout_batch = t.global_batch_size * cfg.algorithm.steps_per_generation
     if rollout_batch % r.n:
         out.append(Finding("error", "batch-sizes", "rollout.n",
                            f"{r.n} generations per prompt do not divide the rollout batch "
                            f"global_batch_size × steps_per_generation = {rollout_batch}"))
+    return out
+
+
+@rule("token-budget")
+def _token_budget(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    t, r, p = cfg.trainer, cfg.rollout, cfg.parallelism
+    out: list[Finding] = []
+    if t.packed:
+        gdn = " (and Qwen3-Next's Gated DeltaNet layers would carry their state across the sequences " \
+              "of a pack)" if hf is not None and hf.get("model_type") == "qwen3_next" else ""
+        out.append(Finding("error", "token-budget", "trainer.packed",
+                           "packed sequences (THD layout with cu_seqlens) are not implemented" + gdn +
+                           "; set trainer.max_tokens_per_microbatch instead (length-grouped micro-batches "
+                           "padded only to their longest row)"))
+    budget = t.max_tokens_per_microbatch
+    if budget is None:
+        return out
+    longest = r.max_prompt_length + r.max_response_length
+    if budget < longest:
+        out.append(Finding("warning", "token-budget", "trainer.max_tokens_per_microbatch",
+                           f"{budget} tokens cannot hold one max-length sample ({longest} = max_prompt_length "
+                           "+ max_response_length); such a sample gets a micro-batch of its own, over budget"))
+    default_mbs = type(t).__dataclass_fields__["micro_batch_size"].default
+    if t.micro_batch_size != default_mbs:
+        out.append(Finding("warning", "token-budget", "trainer.micro_batch_size",
+                           f"{t.micro_batch_size} is not used when max_tokens_per_microbatch is set"))
+    if p.moe_token_dispatcher_type == "allgather" and p.expert_model_parallel_size > 1:
+        out.append(Finding("error", "token-budget", "parallelism.moe_token_dispatcher_type",
+                           "token-budget micro-batches give expert-parallel ranks different token counts; "
+                           "the 'allgather' dispatcher cannot exchange them: use 'alltoall'"))
     return out
 
 

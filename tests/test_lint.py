@@ -82,8 +82,13 @@ def test_parallel_sizes_must_divide_world_experts_and_heads() -> None:
 
 def test_batch_divisibility() -> None:
     # DP 4 × micro 8 = 32 does not divide 48
-    (msg,) = findings("grpo.yaml", "parallelism.gpus_per_node=4", "trainer.global_batch_size=48")["batch-sizes"]
+    (msg,) = findings("grpo.yaml", "parallelism.gpus_per_node=4", "trainer.global_batch_size=48",
+                      "trainer.max_tokens_per_microbatch=null", "trainer.micro_batch_size=8")["batch-sizes"]
     assert "DP × micro_batch_size = 4 × 8" in msg
+    # With a token budget any number of rows forms a micro-batch: only DP must divide.
+    assert "batch-sizes" not in findings("grpo.yaml", "parallelism.gpus_per_node=4", "trainer.global_batch_size=48")
+    got = findings("grpo.yaml", "parallelism.gpus_per_node=4", "trainer.global_batch_size=50")["batch-sizes"]
+    assert any("DP × micro_batch_size = 4 × 1" in m for m in got)
     (msg,) = findings("grpo.yaml", "rollout.n=5")["batch-sizes"]
     assert msg.startswith("error|rollout.n|") and "= 128" in msg
     assert "batch-sizes" not in findings("grpo.yaml", "rollout.n=16")
@@ -112,3 +117,25 @@ def test_every_rule_is_exercised_above() -> None:
     source = Path(__file__).read_text(encoding="utf-8")
     for name in RULES:
         assert f'"{name}"' in source, f"lint rule {name} has no test"
+
+
+def test_token_budget_rules() -> None:
+    assert "token-budget" not in findings("grpo.yaml")                     # tiny: budget 640 >= 80 tokens
+    (msg,) = findings("grpo.yaml", "trainer.max_tokens_per_microbatch=50")["token-budget"]
+    assert msg.startswith("warning|trainer.max_tokens_per_microbatch|") and "80" in msg
+    (msg,) = findings("grpo.yaml", "trainer.micro_batch_size=4")["token-budget"]
+    assert msg.startswith("warning|trainer.micro_batch_size|") and "not used" in msg
+    assert "token-budget" not in findings("grpo.yaml", "trainer.max_tokens_per_microbatch=null",
+                                          "trainer.micro_batch_size=4")
+    (msg,) = findings("grpo.yaml", "parallelism.gpus_per_node=2", "parallelism.expert_model_parallel_size=2",
+                      "parallelism.moe_token_dispatcher_type=allgather")["token-budget"]
+    assert msg.startswith("error|parallelism.moe_token_dispatcher_type|") and "alltoall" in msg
+
+
+def test_packed_sequences_are_refused_with_the_alternative() -> None:
+    (msg,) = findings("grpo.yaml", "trainer.packed=true")["token-budget"]
+    assert msg.startswith("error|trainer.packed|") and "max_tokens_per_microbatch" in msg
+    assert "Gated DeltaNet" not in msg
+    nxt = load_recipe(REPO / "recipes" / "qwen3_next_80b_a3b" / "grpo.yaml", ["trainer.packed=true"])
+    (gdn,) = [f for f in lint(nxt, check_paths=False) if f.key == "trainer.packed"]
+    assert gdn.level == "error" and "Gated DeltaNet" in gdn.message

@@ -20,6 +20,11 @@ LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 5e-5
 
 
+DENSE_FIELDS = {**{k: v for k, v in TINY_FIELDS.items()
+                   if k not in ("num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size")},
+                "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path_factory.mktemp("tiny_moe"), seed=0)
@@ -65,3 +70,36 @@ def test_non_finite_loss_skips_the_update(tiny_moe: Path, tmp_path: Path) -> Non
     assert r["bad_skipped"] == 1.0 and not r["bad_loss_finite"]
     assert r["weights_unchanged_after_bad"]                # NaN never reached the weights
     assert r["good_skipped"] == 0.0 and r["weights_changed_after_good"]
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense", "next"])
+def test_budget_microbatches_equal_the_padded_path(kind: str, tiny_moe: Path, tmp_path: Path) -> None:
+    """Token-budget micro-batches (length groups cut to their longest row, a different count per
+    step) give the padded path's log-probs, losses and reduced gradients at every layout, with
+    CHORD's expert rows riding along, and through Qwen3-Next's Gated DeltaNet layers (causal, so
+    the pads after a row never reach it). Same tolerances as across layouts: fp32 reduction order only
+    (measured: log-probs 1e-6, gradients 5e-8 on a largest entry of 8e-2)."""
+    from tests.test_qwen3_next import TINY_QWEN3_NEXT
+
+    fields = {"dense": DENSE_FIELDS, "next": TINY_QWEN3_NEXT}.get(kind)
+    hf_dir = tiny_moe if fields is None else build_tiny_hf_checkpoint(fields, tmp_path / kind, seed=0)
+    out = tmp_path / "budget.json"
+    torchrun("budget_worker.py", str(hf_dir), kind, str(out))
+    result = json.loads(out.read_text())
+    expected = {"tp1/grpo", "tp2_sp/grpo", "pp2/grpo"} | (set() if kind == "next" else {"tp1/chord", "pp2/chord"}) | (
+        {"ep2/grpo", "tp2_ep2_etp1/grpo", "tp2_ep2_etp1/chord"} if kind == "moe" else set())
+    assert set(result) == expected
+    for case, got in result.items():
+        padded_widths, budget_widths = got["widths"]
+        assert set(padded_widths) == {24} and min(budget_widths) < 24, case       # rows really were cut
+        counts = got["budget_microbatch_counts"]
+        assert len(set(counts)) == 1, (case, counts)                            # same count on every rank
+        assert got["logprob_diff"] <= 2e-6, case
+        assert got["odd_rows_diff"] <= 2e-6 and got["odd_rows_shape"] == [7, 23], case
+        assert got["losses"][1] == pytest.approx(got["losses"][0], rel=LOSS_RTOL), case
+        assert got["grad_norms"][1] == pytest.approx(got["grad_norms"][0], rel=LOSS_RTOL), case
+        assert got["metric_keys_same"], case
+        assert got["grad_diff"] <= 1e-5 * got["grad_scale"] and got["grad_scale"] > 1e-3, case
+        assert got["weight_diff"] <= WEIGHT_ATOL, case
+    # CHORD's expert rows need room: the budget path forms more micro-batches than the padded one.
+    assert any(got["microbatches"][1] != got["microbatches"][0] for got in result.values())

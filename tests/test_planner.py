@@ -7,6 +7,7 @@ transformers models), never copied from the planner's output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -392,3 +393,21 @@ def test_cli_plan_bad_input_is_one_line(argv: list[str], message: str,
 def test_cli_plan_tiny_recipe_fits(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(RECIPES / "tiny/grpo.yaml"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["architecture"] == "Qwen3MoeForCausalLM"
+
+
+def test_token_budget_sizes_activations_and_logits_by_the_budget() -> None:
+    # Budget 160 tokens vs the padded 2 rows × 128: activations and logits scale by 160/256, and
+    # a budget below one max-length sample still leaves room for that sample (128 tokens).
+    budget = _recipe(HAND_MOE, model={"params_dtype": "bf16", "reference": "init"},
+                     parallelism=HAND.parallelism.__dict__,
+                     rollout=dict(max_prompt_length=64, max_response_length=64, gpu_memory_utilization=0.25),
+                     trainer=dict(global_batch_size=32, max_tokens_per_microbatch=160))
+    padded, got = _terms(HAND, 1, 20.0), _terms(budget, 1, 20.0)
+    assert got["logits"].gb == pytest.approx(padded["logits"].gb * 160 / 256)
+    # Full recompute: every term of the activations is linear in the micro-batch's tokens.
+    assert got["activations"].gb == pytest.approx(padded["activations"].gb * 160 / 256)
+    lay = Layout.from_recipe(budget)
+    assert "token budget 160" in lay.describe() and lay.microbatch_tokens == 160
+    small = Layout.from_recipe(dataclasses.replace(budget, trainer=dataclasses.replace(
+        budget.trainer, max_tokens_per_microbatch=100)))
+    assert small.microbatch_tokens == 128

@@ -227,6 +227,15 @@ class TrainerConfig:
     """Samples (completions) per optimizer step over all DP ranks."""
     micro_batch_size: int = spec(1, ge=1)
     """Samples per forward/backward on one rank."""
+    max_tokens_per_microbatch: int | None = spec(None, ge=2)
+    """Token budget of one micro-batch, padding included (rows × its longest row); None = fixed
+    micro-batches of `micro_batch_size` rows padded to max_prompt_length + max_response_length.
+    Rows are grouped by length and cut to the longest in their micro-batch, the count of
+    micro-batches varies per step (equal on every DP rank), and `micro_batch_size` is not used.
+    Loss and gradients equal the padded path's (global denominators)."""
+    packed: bool = False
+    """Pack sequences back to back (THD with cu_seqlens): not implemented yet, `true` is refused
+    (use `max_tokens_per_microbatch`)."""
     lr: float = spec(1e-6, gt=0.0)
     """Peak learning rate."""
     min_lr: float = spec(0.0, ge=0.0)

@@ -29,6 +29,7 @@ from ..objectives import (
     get_objective,
 )
 from ..types import TrainBatch
+from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
 from .providers import ModelRecipe, ParallelLayout, build_gpt_model
 
 from megatron.core import parallel_state as ps  # noqa: E402
@@ -83,10 +84,13 @@ def _finalize_without_token_scaling(model: list[torch.nn.Module], num_tokens: An
 class Actor:
     """One rank's share of the policy (or, with `trainable=False`, of a frozen reference)."""
 
-    def __init__(self, recipe: ModelRecipe, optim: OptimSettings | None, micro_batch_size: int) -> None:
+    def __init__(self, recipe: ModelRecipe, optim: OptimSettings | None, micro_batch_size: int,
+                 max_tokens_per_microbatch: int | None = None) -> None:
         self.recipe = recipe
         self.config = recipe.config
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        """Token budget of a micro-batch (see `microbatch.py`); None = `micro_batch_size` padded rows."""
         model = build_gpt_model(recipe)
         self.trainable = optim is not None
         if self.trainable:
@@ -120,7 +124,10 @@ class Actor:
 
     # ------------------------------------------------------------------ data split
     def _local_microbatches(self, batch: TrainBatch) -> list[TrainBatch]:
-        """This DP rank's rows, cut into micro-batches of `micro_batch_size` rows."""
+        """This DP rank's rows, cut into micro-batches of `micro_batch_size` rows (or, with a token
+        budget, into length-grouped micro-batches cut to their longest row)."""
+        if self.max_tokens_per_microbatch is not None:
+            return [take(batch, plan) for plan in self._budget_plans(batch)]
         dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         n = batch.num_rows
         if n % (dp * self.micro_batch_size):
@@ -131,6 +138,20 @@ class Actor:
         if batch.sft_tokens is not None:
             self._attach_sft(batch, mbs, rank, dp)
         return mbs
+
+    def _budget_plans(self, batch: TrainBatch) -> list[MicroBatchPlan]:
+        """This DP rank's share of the step's budget micro-batches (the same plan on every rank)."""
+        if self.config.moe_token_dispatcher_type == "allgather" and ps.get_expert_model_parallel_world_size() > 1:
+            raise ValueError("token-budget micro-batches give expert-parallel ranks different token counts, "
+                             "which the 'allgather' MoE dispatcher cannot exchange; use 'alltoall'")
+        cp = ps.get_context_parallel_world_size()
+        # Sequence parallelism splits the sequence over TP ranks, context parallelism in 2·CP chunks.
+        multiple = (ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1) * \
+            (2 * cp if cp > 1 else 1)
+        sft = None if batch.sft_mask is None else needed_lengths(batch.sft_mask)
+        plans = plan_microbatches(needed_lengths(batch.mask), ps.get_data_parallel_world_size(),
+                                  self.max_tokens_per_microbatch, multiple, sft)
+        return plans[ps.get_data_parallel_rank()]
 
     @staticmethod
     def _attach_sft(batch: TrainBatch, mbs: list[TrainBatch], rank: int, dp: int) -> None:
@@ -163,10 +184,17 @@ class Actor:
 
     def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool) -> list[Any]:
         seq_len = max(self._tokens_of(mb).shape[1] for mb in mbs)
+        budget = self.max_tokens_per_microbatch is not None
+        # Budget micro-batches differ in rows and width. Under PP, megatron-core then sends each
+        # activation's shape ahead of it (one 3-int message per p2p), so every micro-batch is
+        # computed exactly as on its own; padding them to one shape would spend the savings.
+        self.config.variable_seq_lengths = budget and ps.get_pipeline_model_parallel_world_size() > 1
 
         def forward_step(data_iterator: Iterator[TrainBatch], model: torch.nn.Module) -> tuple[Any, Any]:
             mb = next(data_iterator)
-            tokens = torch.nn.functional.pad(self._tokens_of(mb), (0, seq_len - self._tokens_of(mb).shape[1]))
+            tokens = self._tokens_of(mb)
+            if not budget:
+                tokens = torch.nn.functional.pad(tokens, (0, seq_len - tokens.shape[1]))
             return self._logits(model, tokens), partial(loss_for, mb, tokens)
 
         return get_forward_backward_func()(
@@ -176,15 +204,22 @@ class Actor:
         )
 
     def compute_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        """Per-target-position log-probs of `batch.tokens` [N, L−1], on every rank."""
+        """Per-target-position log-probs of `batch.tokens` [N, L−1], on every rank.
+
+        With a token budget a row is computed only through its last masked target (`batch.mask`);
+        the positions after it hold 0 or a pad's log-prob, as the padded path's pads do."""
         self.model.eval()
         # Any number of rows: pad with copies of row 0 up to a multiple of DP × micro-batch.
         n = batch.num_rows
-        unit = ps.get_data_parallel_world_size() * self.micro_batch_size
+        budget = self.max_tokens_per_microbatch is not None
+        unit = ps.get_data_parallel_world_size() * (1 if budget else self.micro_batch_size)
         extra = (-n) % unit
         tokens = torch.cat([batch.tokens, batch.tokens[:1].expand(extra, -1)]) if extra else batch.tokens
-        mbs = self._local_microbatches(TrainBatch(tokens, torch.zeros(tokens.shape[0], tokens.shape[1] - 1),
-                                                  torch.zeros(tokens.shape[0])))
+        # The mask tells the budget path how far each row must be computed (filler rows: 2 tokens).
+        mask = torch.cat([batch.mask, batch.mask.new_zeros(extra, batch.mask.shape[1])]) if extra else batch.mask
+        rows = TrainBatch(tokens, mask, torch.zeros(n + extra))
+        plans = self._budget_plans(rows) if budget else None
+        mbs = [take(rows, p) for p in plans] if plans is not None else self._local_microbatches(rows)
 
         def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
             logp, _ = self._logprobs(logits, tokens, temperature, with_entropy=False)
@@ -192,9 +227,32 @@ class Actor:
 
         with torch.no_grad():
             reports = self._run(mbs, loss_for, forward_only=True)
-        full = self._gather_dp(torch.cat([r["logprobs"] for r in reports], dim=0))[:n] \
-            if ps.is_pipeline_last_stage() else None
+        full = None
+        if ps.is_pipeline_last_stage():
+            parts = [r["logprobs"] for r in reports]
+            full = self._gather_dp(torch.cat(parts, dim=0)) if plans is None else \
+                self._scatter_dp(plans, parts, rows.num_rows, rows.mask.shape[1], max(needed_lengths(rows.mask)) - 1)
+            full = full[:n]
         return _broadcast_from_last_stage(full)
+
+    @staticmethod
+    def _scatter_dp(plans: list[MicroBatchPlan], parts: list[torch.Tensor], num_rows: int,
+                    width: int, used: int) -> torch.Tensor:
+        """Every rank's micro-batch log-probs in batch order, [num_rows, width], zero after each
+        row's cut; only the first `used` columns (the batch's longest need) travel.
+
+        Each row lives on exactly one DP rank, so a sum over ranks of zero-filled buffers is
+        exact; NCCL needs the buffer on the GPU, gloo takes it where it is."""
+        group = ps.get_data_parallel_group()
+        home = parts[0].device
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else home
+        used = min(used, width)
+        full = torch.zeros(num_rows, used, dtype=parts[0].dtype, device=device)
+        for plan, logp in zip(plans, parts):
+            w = min(used, logp.shape[1])
+            full[torch.tensor(plan.rows, device=device), :w] = logp[:, :w].to(device)
+        dist.all_reduce(full, group=group)
+        return torch.nn.functional.pad(full, (0, width - used)).to(home)
 
     @staticmethod
     def _gather_dp(local: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,7 @@ class Layout:
     seq_length: int
     param_bytes: int
     reference: bool
+    max_tokens_per_microbatch: int | None = None
 
     @classmethod
     def from_recipe(cls, cfg: RecipeConfig) -> Layout:
@@ -116,7 +117,7 @@ class Layout:
                    global_batch_size=t.global_batch_size,
                    seq_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
                    param_bytes=DTYPE_BYTES[cfg.model.params_dtype],
-                   reference=cfg.model.reference != "none")
+                   reference=cfg.model.reference != "none", max_tokens_per_microbatch=t.max_tokens_per_microbatch)
 
     @property
     def dp(self) -> int:
@@ -131,8 +132,18 @@ class Layout:
         return max(1, self.world // (self.pp * self.ep * self.etp))
 
     @property
+    def microbatch_tokens(self) -> int:
+        """Tokens of the largest micro-batch: the token budget when set (a sample longer than it
+        runs alone), else `micro_batch_size` rows of the full sequence length."""
+        if self.max_tokens_per_microbatch is not None:
+            return max(self.max_tokens_per_microbatch, self.seq_length)
+        return self.micro_batch_size * self.seq_length
+
+    @property
     def num_microbatches(self) -> int:
-        return max(1, self.global_batch_size // (self.dp * self.micro_batch_size))
+        # With a budget the count varies per step; at most one sample per micro-batch.
+        rows = 1 if self.max_tokens_per_microbatch is not None else self.micro_batch_size
+        return max(1, self.global_batch_size // (self.dp * rows))
 
     def describe(self) -> str:
         rc = {"full": f"full recompute ({self.recompute_method}, {self.recompute_num_layers})",
@@ -141,8 +152,14 @@ class Layout:
         return (f"TP{self.tp} PP{self.pp}{vpp} CP{self.cp} EP{self.ep} ETP{self.etp}"
                 f"{' SP' if self.sp else ''} DP{self.dp}, {rc}, "
                 f"{'optimizer on CPU' if self.optimizer_offload else 'optimizer on GPU'}, "
-                f"micro-batch {self.micro_batch_size} × {self.seq_length} tokens, "
-                f"{self.num_microbatches} micro-batches/step")
+                f"{self._microbatch_words()}, {self.num_microbatches} micro-batches/step"
+                f"{' at most' if self.max_tokens_per_microbatch is not None else ''}")
+
+    def _microbatch_words(self) -> str:
+        if self.max_tokens_per_microbatch is None:
+            return f"micro-batch {self.micro_batch_size} × {self.seq_length} tokens"
+        return (f"token budget {self.max_tokens_per_microbatch} per micro-batch (activations sized for "
+                f"{self.microbatch_tokens} tokens, not micro_batch_size × {self.seq_length})")
 
 
 @dataclass(frozen=True)
@@ -215,7 +232,7 @@ MIXER_ACTIVATIONS: dict[str, Callable[[Dims, bool], float]] = {
 def layer_activation_bytes(layer: Layer, params: ModelParams, lay: Layout) -> float:
     """Bytes one micro-batch leaves on one GPU for this layer without recompute."""
     d, gated = params.dims, params.spec.gated_attention
-    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
+    tokens = lay.microbatch_tokens / lay.cp
     r = lay.tp if lay.sp else 1
     per_token = 4 * d.hidden / r + MIXER_ACTIVATIONS[layer.mixer](d, gated) / lay.tp
     if layer.ffn == "dense":
@@ -231,7 +248,7 @@ def stage_activation_bytes(layers: Sequence[Layer], params: ModelParams, lay: La
     full = [layer_activation_bytes(layer, params, lay) for layer in layers]
     if not full:
         return 0.0
-    tokens = lay.micro_batch_size * lay.seq_length / lay.cp
+    tokens = lay.microbatch_tokens / lay.cp
     checkpoint = 2 * tokens * params.dims.hidden / (lay.tp if lay.sp else 1)
     n = max(1, lay.recompute_num_layers)
     if lay.recompute != "full":
@@ -274,7 +291,7 @@ def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb
     acts = stage_activation_bytes(layers, params, lay, in_flight_microbatches(lay, stage))
     logits = 0.0
     if stage == lay.pp - 1:
-        logits = 6 * lay.micro_batch_size * lay.seq_length / lay.cp * params.dims.vocab / lay.tp
+        logits = 6 * lay.microbatch_tokens / lay.cp * params.dims.vocab / lay.tp
     terms = [
         Term("weights", "actor weights", n * lay.param_bytes / GB,
              f"{n / 1e9:.2f} B params on this GPU"),

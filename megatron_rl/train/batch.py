@@ -40,6 +40,10 @@ def score_groups(groups: Sequence[RolloutGroup], weights: dict[str, float],
 def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int) -> ScoredRollout:
     """Pad every prompt+response to `seq_len`; masks cover the response tokens' target positions.
 
+    The rows stay `seq_len` wide on the host: the width is the constant of the
+    `seq-mean-token-sum-norm` denominator, so it must not follow the batch's longest row. The
+    trainer computes only what the masks need (`trainer.max_tokens_per_microbatch`).
+
     Advantages are filled in by `set_advantages` once the rewards are final (a KL-in-reward
     penalty needs the reference log-probs of this very batch first)."""
     samples = [s for g in groups for s in g.samples]

@@ -73,7 +73,7 @@ class Session:
                               adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
                               warmup_steps=int(t.lr_warmup_ratio * updates), total_steps=updates,
                               decay_style=t.lr_decay_style)
-        self.actor = Actor(recipe, optim, t.micro_batch_size)
+        self.actor = Actor(recipe, optim, t.micro_batch_size, t.max_tokens_per_microbatch)
         load_hf_into_model(self.actor.model, self.hf_dir)
         self.actor.optimizer.reload_model_params()
         self.reference = self._reference(recipe) if a.kl_beta > 0 else None
@@ -90,7 +90,7 @@ class Session:
         self.stop_signal: str | None = None
 
     def _reference(self, recipe: Any) -> Actor:
-        ref = Actor(recipe, None, self.cfg.trainer.micro_batch_size)
+        ref = Actor(recipe, None, self.cfg.trainer.micro_batch_size, self.cfg.trainer.max_tokens_per_microbatch)
         path = self.cfg.model.reference_path if self.cfg.model.reference == "path" else self.hf_dir
         load_hf_into_model(ref.model, path)
         return ref
