@@ -257,6 +257,7 @@ def settings_lines(cfg: RecipeConfig, files: JobFiles) -> list[str]:
         ("SERVER_CPUS", str(colocated_server_cpus(cfg)), "CPUs the trainer ranks leave to a colocated vLLM server"),
         ("NUMA_BINDING", q(s.numa_binding if gpus_expected(cfg) else "none"),
          "slurm.numa_binding (GPU jobs only)"),
+        ("NODE_MEM", q(s.mem if s.mem is not None else "site default"), "slurm.mem (0 = all of the node's)"),
         ("KEEP_OMP_THREADS", "1" if "OMP_NUM_THREADS" in s.env else "0", "slurm.env sets OMP_NUM_THREADS"),
         ("MASTER_PORT", str(s.master_port), "slurm.master_port"),
         ("ROLLOUT_PORT", str(r.port), "rollout.port (0 = any free port)"),
