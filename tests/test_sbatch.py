@@ -407,7 +407,10 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: dict
     # What Slurm does slurm.signal_before_s before the time limit (--signal=B:USR1@N).
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
     wait_for(slurm, job, run, lambda info: info.get("Restarts") == "1" and info.get("JobState") == "PENDING")
-    # A requeued job is held back ~2 minutes (BeginTime); let it start now.
+    # A requeued job is held back ~2 minutes (BeginTime); let it start now. Not in the second the
+    # first attempt ended: slurmd revokes that attempt's credential with one-second resolution and
+    # kills a start within it ("Job credential revoked", seen here).
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
     info = wait_for(slurm, job, run, lambda info: info.get("Restarts") == "1" and finished(info))
     log = log_of(run, job)
