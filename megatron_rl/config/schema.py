@@ -300,8 +300,8 @@ class SlurmConfig:
     server keeps (see slurm/README.md)."""
     exclusive: bool = True
     """Whole nodes (#SBATCH --exclusive): the trainer, its NCCL threads and vLLM get every CPU."""
-    mem: str | None = "0"
-    """Memory per node (#SBATCH --mem): '0' = all of the node's memory, or a size like '900G';
+    mem: str | int | None = "0"
+    """Memory per node (#SBATCH --mem): 0 = all of the node's memory, MB, or a size like '900G';
     None = no request (the site default, often DefMemPerCPU × CPUs: too small for this job)."""
     numa_binding: Literal["node", "socket", "exclusive", "core-complex", "none"] = "node"
     """GPU jobs: torchrun --numa-binding (each rank on the CPUs nearest its GPU); 'none' = unbound."""

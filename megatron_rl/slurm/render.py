@@ -147,7 +147,7 @@ def sbatch_problems(cfg: RecipeConfig) -> list[str]:
         if not _ENV_NAME.fullmatch(name):
             problems.append(f"slurm.env: {name!r} is not a valid environment variable name "
                             "(allowed: letters, digits and '_', not starting with a digit)")
-    if s.mem is not None and not _MEM.fullmatch(s.mem):
+    if s.mem is not None and not _MEM.fullmatch(str(s.mem)):
         problems.append(f"slurm.mem: {s.mem!r} is not a Slurm memory size (allowed: '0' = all of the node's "
                         "memory, a number of MB, or a number with K, M, G or T, e.g. '900G'; null = no request)")
     if s.cpus_per_task is None and not s.exclusive:
@@ -257,7 +257,7 @@ def settings_lines(cfg: RecipeConfig, files: JobFiles) -> list[str]:
         ("SERVER_CPUS", str(colocated_server_cpus(cfg)), "CPUs the trainer ranks leave to a colocated vLLM server"),
         ("NUMA_BINDING", q(s.numa_binding if gpus_expected(cfg) else "none"),
          "slurm.numa_binding (GPU jobs only)"),
-        ("NODE_MEM", q(s.mem if s.mem is not None else "site default"), "slurm.mem (0 = all of the node's)"),
+        ("NODE_MEM", q(str(s.mem) if s.mem is not None else "site default"), "slurm.mem (0 = all of the node's)"),
         ("KEEP_OMP_THREADS", "1" if "OMP_NUM_THREADS" in s.env else "0", "slurm.env sets OMP_NUM_THREADS"),
         ("MASTER_PORT", str(s.master_port), "slurm.master_port"),
         ("ROLLOUT_PORT", str(r.port), "rollout.port (0 = any free port)"),
