@@ -7,8 +7,9 @@
 #   containers/build.sh --stage DIR [--offline WHEELDIR]      only stage the build context (tests)
 #
 # The versions come from requirements/pins.txt, the pin file of the CPU environment too: this
-# script cuts the image's scopes out of it (gpu + both -> gpu-requirements.txt, nodeps ->
-# nodeps-requirements.txt) into a staged copy of the project, and the image installs exactly those.
+# script cuts the image's scopes out of it (gpu + both -> gpu-requirements.txt, gpu-late ->
+# gpu-late-requirements.txt, nodeps -> nodeps-requirements.txt) into a staged copy of the project,
+# and the image installs exactly those, in that order (containers/install_in_image.sh).
 # The base image is named once, on the `From:` line of containers/megatron-rl.def.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -38,8 +39,8 @@ base_image() {  # the def's `From:` line
     sed -n 's/^From:[[:space:]]*//p' "$DEF" | head -n 1
 }
 
-pins_for() {  # name==version of the given scopes, as tools/install_cpu_env.sh reads them
-    awk -v scopes="$1" '!/^#/ && NF >= 3 && index(scopes, $3) { print $1 }' "$PINS"
+pins_for() {  # name==version of the given scopes (whole words: "gpu" is not "gpu-late")
+    awk -v scopes=" $1 " '!/^#/ && NF >= 3 && index(scopes, " " $3 " ") { print $1 }' "$PINS"
 }
 
 pick_runtime() {
@@ -58,7 +59,7 @@ pick_runtime() {
 # stage_context DIR: the project, the requirement files cut from pins.txt, the wheel cache.
 stage_context() {
     local dir=$1 req
-    local -a paths=(pyproject.toml megatron_rl slurm recipes requirements containers)
+    local -a paths=(pyproject.toml Makefile megatron_rl slurm recipes requirements containers tests)
     [[ -f "$ROOT/README.md" ]] && paths+=(README.md)      # pyproject's readme, once it exists
     mkdir -p "$dir/megatron-rl" "$dir/wheels"
     (cd "$ROOT" && tar --exclude=__pycache__ --exclude='*.pyc' --exclude=requirements/container -cf - "${paths[@]}") \
@@ -66,6 +67,7 @@ stage_context() {
     req="$dir/megatron-rl/requirements/container"
     mkdir -p "$req"
     pins_for "gpu both" > "$req/gpu-requirements.txt"
+    pins_for "gpu-late" > "$req/gpu-late-requirements.txt"
     pins_for "nodeps" > "$req/nodeps-requirements.txt"
     [[ -s "$req/gpu-requirements.txt" ]] || die "no gpu/both pins in $PINS"
     if [[ -n "$offline" ]]; then
@@ -90,7 +92,7 @@ download_wheels() {  # pip download inside the base image, so the wheels fit its
     mkdir -p "$dir"
     dir=$(cd "$dir" && pwd)
     local req="$tmp/megatron-rl/requirements/container"
-    local cmd="python -m pip download -d /wheels -r /req/gpu-requirements.txt && \
+    local cmd="PIP_CONSTRAINT= python -m pip download -d /wheels -r /req/gpu-requirements.txt -r /req/gpu-late-requirements.txt && \
 python -m pip download -d /wheels --no-deps -r /req/nodeps-requirements.txt"
     if [[ "$runtime" == docker ]]; then
         docker run --rm -v "$dir:/wheels" -v "$req:/req:ro" "$base" bash -c "$cmd"
@@ -121,4 +123,4 @@ else
     # %files paths are relative to the directory the build runs in: the staged context.
     (cd "$tmp" && "$runtime" build "${fakeroot[@]}" "$out" megatron-rl.def)
 fi
-echo "built $out from $(base_image) ($(grep -c . "$tmp/megatron-rl/requirements/container/gpu-requirements.txt") pinned packages + megatron-core)"
+echo "built $out from $(base_image) ($(cat "$tmp/megatron-rl/requirements/container/"{gpu,gpu-late}-requirements.txt | grep -c .) pinned packages + megatron-core)"

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # Runs inside the image build (Apptainer %post, Docker RUN): the pinned GPU stack, then this
 # project. The requirement files and the mode were written by containers/build.sh from
-# requirements/pins.txt (scopes gpu + both, and nodeps), so no version is written here.
+# requirements/pins.txt (scopes gpu + both, gpu-late, nodeps), so no version is written here.
 #   install_in_image.sh SRC_DIR WHEEL_DIR
+#
+# Order and constraints (why, in containers/README.md "Build order"):
+#   1. gpu + both: vLLM and friends. vLLM pins an exact torch, which may replace the base's; the
+#      base's PIP_CONSTRAINT (NVIDIA images pin their own torch there) is set aside for the pinned
+#      steps, and the torch before and after is printed. From here torch is held where step 1 left
+#      it (-c torch==that version).
+#   2. gpu-late without build isolation: Transformer Engine's torch extension compiles against
+#      that torch (not a second one in an isolated build env); fla's kernels run on its triton.
+#   3. megatron-core --no-deps; 4. this project (editable).
 set -euo pipefail
 SRC=${1:?usage: install_in_image.sh SRC_DIR WHEEL_DIR}
 WHEELS=${2:?usage: install_in_image.sh SRC_DIR WHEEL_DIR}
 REQ="$SRC/requirements/container"
 
-for f in gpu-requirements.txt nodeps-requirements.txt mode; do
+for f in gpu-requirements.txt gpu-late-requirements.txt nodeps-requirements.txt mode; do
     [[ -f "$REQ/$f" ]] || { echo "error: $REQ/$f missing; build with containers/build.sh" >&2; exit 1; }
 done
 pip=(python -m pip install --no-cache-dir --disable-pip-version-check)
@@ -16,12 +25,24 @@ if [[ "$(cat "$REQ/mode")" == offline ]]; then
     # Air-gapped: only the wheels build.sh copied in (from `build.sh --offline WHEELDIR`).
     pip+=(--no-index --find-links "$WHEELS")
 fi
-echo "[image] pinned packages (gpu + both) ..."
-"${pip[@]}" -r "$REQ/gpu-requirements.txt"
-echo "[image] megatron-core (--no-deps: its metadata asks for a newer Python than some bases have) ..."
+torch_version() { python -c 'import torch; print(torch.__version__)'; }
+base_torch=$(torch_version)
+echo "[image] 1/4 pinned packages (gpu + both); the base has torch $base_torch ..."
+PIP_CONSTRAINT="" "${pip[@]}" -r "$REQ/gpu-requirements.txt"
+final_torch=$(torch_version)
+if [[ "$final_torch" != "$base_torch" ]]; then
+    echo "[image] NOTE: vLLM replaced the base's torch $base_torch with $final_torch; what the base compiled" \
+         "against its torch (apex) is checked by the self-test"
+fi
+echo "torch==${final_torch}" > "$REQ/torch-constraint.txt"
+echo "[image] 2/4 Transformer Engine and fla against torch $final_torch (no build isolation) ..."
+PIP_CONSTRAINT="" "${pip[@]}" --no-build-isolation -c "$REQ/torch-constraint.txt" -r "$REQ/gpu-late-requirements.txt"
+echo "[image] 3/4 megatron-core (--no-deps: its metadata asks for a newer Python than some bases have) ..."
 "${pip[@]}" --no-deps --ignore-requires-python -r "$REQ/nodeps-requirements.txt"
-echo "[image] megatron-rl (editable: the sbatch template in slurm/ and the recipes stay beside the code) ..."
+echo "[image] 4/4 megatron-rl (editable: the sbatch template in slurm/ and the recipes stay beside the code) ..."
 "${pip[@]}" --no-deps --no-build-isolation -e "$SRC"
 rm -rf "$WHEELS"
-python -c "import megatron_rl, megatron.core, vllm" || { echo "error: the image does not import" >&2; exit 1; }
+[[ "$(torch_version)" == "$final_torch" ]] || { echo "error: torch moved after step 1" >&2; exit 1; }
+python -c "import megatron_rl, megatron.core, vllm, transformer_engine.pytorch, fla" \
+    || { echo "error: the image does not import" >&2; exit 1; }
 echo "[image] done"

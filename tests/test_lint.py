@@ -100,6 +100,16 @@ def test_rollout_placement() -> None:
     assert "rollout-placement" not in findings("grpo.yaml", "rollout.placement=disaggregated", "rollout.nodes=1")
 
 
+def test_a_rollout_server_must_fit_one_node() -> None:
+    rule = "rollout-server-fits-a-node"
+    got = findings("grpo.yaml", "rollout.tensor_parallel_size=2")          # 2 GPUs, nodes of 1
+    assert [m.split("|")[:2] for m in got[rule]] == [["error", "rollout.data_parallel_size"]]
+    assert "2 GPUs does not fit a node of 1" in got[rule][0]
+    spare = findings("grpo.yaml", "parallelism.gpus_per_node=2", "rollout.placement=disaggregated", "rollout.nodes=1")
+    assert [m.split("|")[0] for m in spare[rule]] == ["warning"]            # 1 of 2 GPUs idle
+    assert rule not in findings("grpo.yaml", "parallelism.gpus_per_node=2")  # colocated: the rest trains
+
+
 def test_unknown_reward_name_lists_known_ones() -> None:
     (msg,) = findings("grpo.yaml", "rewards.weights={mcq_answr: 1.0}")["reward-names"]
     assert "rewards.weights.mcq_answr" in msg and "mcq_answer" in msg.split("allowed:")[1]

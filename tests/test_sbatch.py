@@ -30,8 +30,7 @@ TINY_GRPO = REPO / "recipes" / "tiny" / "grpo.yaml"
 START_SLURM = REPO / "tests" / "slurm" / "start_slurm.sh"
 # The tiny CPU run of the trainer tests, as a Slurm job on this machine's one node.
 CPU_JOB = ["trainer.global_batch_size=16", "rollout.n=4", "trainer.micro_batch_size=4", "rollout.max_concurrency=1",
-           "container.runtime=none", "parallelism.gpus_per_node=1", "slurm.gpus_per_node=0",
-           "slurm.cpus_per_task=1"]
+           "container.runtime=none", "parallelism.gpus_per_node=1", "slurm.gpus_per_node=0"]
 
 
 def render(recipe: Path, tmp: Path, *overrides: str) -> tuple[str, object]:
@@ -76,13 +75,28 @@ def test_every_recipe_renders_to_a_script_bash_and_shellcheck_accept(recipe: Pat
 def test_production_layout_requests_trainer_plus_rollout_nodes_and_gpus(tmp_path: Path) -> None:
     recipe = REPO / "recipes" / "qwen3_235b_a22b" / "grpo.yaml"
     text, _ = render(recipe, tmp_path, "slurm.partition=gpu", "slurm.account=med", "slurm.env.NCCL_IB_HCA=mlx5",
-                     "slurm.extra_sbatch=[--exclusive]")
-    for line in ("--nodes=12", "--gpus-per-node=8", "--partition=gpu", "--account=med", "--exclusive",
-                 "--time=24:00:00", "--ntasks-per-node=1"):
+                     "slurm.extra_sbatch=[--constraint=h100]")
+    for line in ("--nodes=12", "--gpus-per-node=8", "--partition=gpu", "--account=med", "--exclusive", "--mem=0",
+                 "--time=24:00:00", "--ntasks-per-node=1", "--constraint=h100"):
         assert f"#SBATCH {line}" in text.splitlines(), line
+    assert not any(line.startswith("#SBATCH --cpus-per-task") for line in text.splitlines())   # the whole node
+    assert "NUMA_BINDING=node " in text and "SERVER_CPUS=0 " in text
     assert "TRAIN_NODES=8 " in text and "ROLLOUT_NODES=4 " in text and "PROCS_PER_NODE=8 " in text
     assert "export NCCL_IB_HCA=mlx5" in text
     assert "megatron_rl.cli rollout-server" in text           # the disaggregated servers' step
+
+
+def test_site_overrides_of_the_resource_lines(tmp_path: Path) -> None:
+    recipe = REPO / "recipes" / "qwen3_next_80b_a3b" / "grpo.yaml"
+    text, _ = render(recipe, tmp_path, "slurm.exclusive=false", "slurm.cpus_per_task=64", "slurm.mem=900G",
+                     "slurm.numa_binding=none")
+    lines = text.splitlines()
+    assert "#SBATCH --cpus-per-task=64" in lines and "#SBATCH --mem=900G" in lines
+    assert "#SBATCH --exclusive" not in lines and "NUMA_BINDING=none " in text
+    # Colocated: 1 API server + 4 engine cores + 8 workers (TP 2 × DP 4) of the trainer's node's CPUs.
+    assert "SERVER_CPUS=13 " in text
+    text, _ = render(recipe, tmp_path, "slurm.mem=null")
+    assert not any(line.startswith("#SBATCH --mem") for line in text.splitlines())
 
 
 def test_resolved_recipe_beside_the_script_pins_the_run_dir(tmp_path: Path) -> None:
@@ -116,6 +130,8 @@ def test_flags_are_shorthands_for_recipe_keys(tmp_path: Path, capsys: pytest.Cap
     ("slurm.time_limit='00:04:00'", "slurm.signal_before_s"),
     ("slurm.extra_sbatch=[exclusive]", "slurm.extra_sbatch[0]"),
     ('slurm.job_name="a\\nb"', "slurm.job_name"),
+    ("slurm.mem=lots", "slurm.mem"),
+    ("slurm.exclusive=false", "slurm.cpus_per_task"),
 ])
 def test_unrenderable_recipes_fail_naming_the_key(override: str, key: str, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture) -> None:
@@ -317,8 +333,33 @@ def test_sbatch_reads_quoted_options_literally(slurm: dict[str, str], tmp_path: 
         assert info["JobState"] == "PENDING"
         text = subprocess.run(["scontrol", "show", "job", job], env=slurm, capture_output=True, text=True).stdout
         assert "JobName=name with $(x) spaces" in text and f"StdOut={run}/slurm/{job}.out" in text
+        # The resource lines as Slurm took them: whole node, all of its memory.
+        assert info["OverSubscribe"] == "NO" and info["MinMemoryNode"] == "0", info
     finally:
         subprocess.run(["scancel", job], env=slurm)
+
+
+def test_a_gpu_job_whose_container_sees_no_gpu_refuses_to_start(slurm: dict[str, str], tmp_path: Path) -> None:
+    """The recipe expects a GPU; Slurm grants one (the CI node's stand-in) and the host's nvidia-smi
+    lists it, but CUDA inside the job's Python sees none (as in a container started without --nv):
+    the preflight refuses with one message and nothing trains on the CPU."""
+    host_bin = tmp_path / "host bin"
+    host_bin.mkdir()
+    (host_bin / "nvidia-smi").write_text('#!/bin/bash\necho "GPU 0: stand-in (UUID: GPU-0)"\n')
+    (host_bin / "nvidia-smi").chmod(0o755)
+    env = dict(slurm, PATH=f"{host_bin}:{slurm['PATH']}")
+    job, run = submit(env, tmp_path, "gpu", "slurm.gpus_per_node=1", "trainer.max_steps=1")
+    info = wait_for(env, job, run, finished)
+    log = log_of(run, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", log[-3000:]
+    assert info["TresPerNode"] == "gres:gpu:1", info
+    refusal = [line for line in log.splitlines() if "inside the container:" in line]
+    assert len(refusal) == 1, log[-3000:]
+    for expected in ("1 GPU(s) per node expected", "CUDA sees 0", "refusing to fall back to the CPU",
+                     "CUDA_VISIBLE_DEVICES='0'", "slurm.gpus_per_node=0"):
+        assert expected in refusal[0], (expected, refusal[0])
+    assert "nothing was started" in log and "trainer on" not in log
+    assert not (run / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -329,6 +370,12 @@ def test_tiny_recipe_trains_as_a_slurm_job(slurm: dict[str, str], tmp_path: Path
     assert steps(run) == [1, 2]
     assert (run / "checkpoints" / "step_00000002" / "complete.json").is_file()
     assert (run / "hf_export").is_dir() and "training finished" in log_of(run, job)
+    # Whole node: every CPU to the one task; the rank gets them less the colocated server's share.
+    cpus = int(info["NumCPUs"])
+    assert cpus == os.cpu_count() and info["OverSubscribe"] == "NO" and info["MinMemoryNode"] == "0"
+    threads = max(1, cpus - 3)          # tiny: 1 API server + 1 engine core + 1 worker
+    assert f"per node {cpus} CPUs, 3 for a colocated server, OMP_NUM_THREADS={threads} per rank" in log_of(run, job)
+    assert "memory --mem=0" in log_of(run, job)
 
 
 @pytest.mark.slow
@@ -360,7 +407,10 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: dict
     # What Slurm does slurm.signal_before_s before the time limit (--signal=B:USR1@N).
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
     wait_for(slurm, job, run, lambda info: info.get("Restarts") == "1" and info.get("JobState") == "PENDING")
-    # A requeued job is held back ~2 minutes (BeginTime); let it start now.
+    # A requeued job is held back ~2 minutes (BeginTime); let it start now. Not in the second the
+    # first attempt ended: slurmd revokes that attempt's credential with one-second resolution and
+    # kills a start within it ("Job credential revoked", seen here).
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
     info = wait_for(slurm, job, run, lambda info: info.get("Restarts") == "1" and finished(info))
     log = log_of(run, job)

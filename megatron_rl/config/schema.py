@@ -303,8 +303,17 @@ class SlurmConfig:
     YAML: an unquoted 24:00:00 is read as the number 86400."""
     job_name: str | None = None
     """Job name; None = the recipe's name."""
-    cpus_per_task: int = spec(16, ge=1)
-    """CPUs per task."""
+    cpus_per_task: int | None = spec(None, ge=1)
+    """CPUs of the one task per node (trainer or rollout server); None = every CPU of the node
+    (needs `exclusive`). The trainer ranks of a node share them, minus what the colocated vLLM
+    server keeps (see slurm/README.md)."""
+    exclusive: bool = True
+    """Whole nodes (#SBATCH --exclusive): the trainer, its NCCL threads and vLLM get every CPU."""
+    mem: str | int | None = "0"
+    """Memory per node (#SBATCH --mem): 0 = all of the node's memory, MB, or a size like '900G';
+    None = no request (the site default, often DefMemPerCPU × CPUs: too small for this job)."""
+    numa_binding: Literal["node", "socket", "exclusive", "core-complex", "none"] = "node"
+    """GPU jobs: torchrun --numa-binding (each rank on the CPUs nearest its GPU); 'none' = unbound."""
     requeue: bool = True
     """Requeue on preemption/node failure; the trainer resumes from its last checkpoint."""
     signal_before_s: int = spec(300, ge=0)

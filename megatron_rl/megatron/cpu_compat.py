@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -46,11 +47,43 @@ UNCOMPILED_METHODS: tuple[tuple[str, str], ...] = (
 PATCHED_SYMBOLS += UNCOMPILED_METHODS
 PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
+REQUIRE_CUDA_ENV = "MEGATRON_RL_REQUIRE_CUDA"
+"""CUDA devices a process must see; the sbatch script of a GPU job sets it to the GPUs per node.
+With it set, `apply()` refuses instead of switching a GPU job silently to the CPU."""
+
 _applied = False
+
+
+class CudaRequiredError(RuntimeError):
+    """GPUs are expected but CUDA does not see them."""
 
 
 def cuda_absent() -> bool:
     return not torch.cuda.is_available()
+
+
+def cuda_problem(expected: int) -> str | None:
+    """Why this process cannot run a job that expects `expected` GPUs (None = it can, or 0 expected)."""
+    if expected <= 0:
+        return None
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen >= expected:
+        return None
+    return (f"{expected} GPU(s) per node expected (slurm.gpus_per_node, else parallelism.gpus_per_node) but "
+            f"CUDA sees {seen} in this process (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}); refusing to fall "
+            "back to the CPU. Give the container the GPUs (apptainer exec --nv, a driver for the image's "
+            "CUDA), or for a CPU run set slurm.gpus_per_node=0")
+
+
+def required_cuda_devices() -> int:
+    """$MEGATRON_RL_REQUIRE_CUDA as a count (0 when unset)."""
+    text = os.environ.get(REQUIRE_CUDA_ENV, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise CudaRequiredError(f"${REQUIRE_CUDA_ENV}={text!r}: expected a number of GPUs (0 = none required)")
+    return int(text)
 
 
 class _CudaToCpu(TorchFunctionMode):
@@ -268,10 +301,16 @@ def check_patched_symbols() -> list[str]:
 
 
 def apply() -> bool:
-    """Patch torch.cuda and megatron-core for CPU; returns True when patches were applied."""
+    """Patch torch.cuda and megatron-core for CPU; returns True when patches were applied.
+
+    Raises CudaRequiredError instead when $MEGATRON_RL_REQUIRE_CUDA asks for more devices than
+    CUDA sees (a GPU job whose container cannot see the GPUs must not train on the CPU)."""
     global _applied
     if _applied:
         return True
+    problem = cuda_problem(required_cuda_devices())
+    if problem:
+        raise CudaRequiredError(problem)
     if not cuda_absent():
         return False
     _stub_triton_kernels()

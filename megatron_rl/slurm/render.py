@@ -28,6 +28,7 @@ TEMPLATE_ENV = "MEGATRON_RL_SBATCH_TEMPLATE"
 RUNTIMES = ("apptainer", "singularity", "none")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_MEM = re.compile(r"[0-9]+[KMGT]?")
 
 
 class SbatchError(ValueError):
@@ -146,6 +147,12 @@ def sbatch_problems(cfg: RecipeConfig) -> list[str]:
         if not _ENV_NAME.fullmatch(name):
             problems.append(f"slurm.env: {name!r} is not a valid environment variable name "
                             "(allowed: letters, digits and '_', not starting with a digit)")
+    if s.mem is not None and not _MEM.fullmatch(str(s.mem)):
+        problems.append(f"slurm.mem: {s.mem!r} is not a Slurm memory size (allowed: '0' = all of the node's "
+                        "memory, a number of MB, or a number with K, M, G or T, e.g. '900G'; null = no request)")
+    if s.cpus_per_task is None and not s.exclusive:
+        problems.append("slurm.cpus_per_task: null (every CPU of the node) needs slurm.exclusive: true; "
+                        "on shared nodes give a number")
     problems.extend(_time_problems(s.time_limit, s.signal_before_s))
     return problems
 
@@ -193,8 +200,15 @@ def sbatch_lines(cfg: RecipeConfig, files: JobFiles) -> list[str]:
     """The `#SBATCH` options (without the prefix), values quoted."""
     s = cfg.slurm
     q = shlex.quote
-    lines = [f"--job-name={q(s.job_name or cfg.name)}", f"--nodes={total_nodes(cfg)}",
-             "--ntasks-per-node=1", f"--cpus-per-task={s.cpus_per_task}"]
+    lines = [f"--job-name={q(s.job_name or cfg.name)}", f"--nodes={total_nodes(cfg)}", "--ntasks-per-node=1"]
+    # Whole nodes by default: 8 ranks, their NCCL threads and a busy-polling vLLM need every CPU,
+    # and the HF load, the colocated server and the /dev/shm weight copies need the node's memory.
+    if s.exclusive:
+        lines.append("--exclusive")
+    if s.cpus_per_task is not None:
+        lines.append(f"--cpus-per-task={s.cpus_per_task}")
+    if s.mem is not None:
+        lines.append(f"--mem={s.mem}")
     if gpus_expected(cfg):
         lines.append(f"--gpus-per-node={gpus_expected(cfg)}")
     lines.append(f"--time={q(s.time_limit)}")
@@ -239,13 +253,27 @@ def settings_lines(cfg: RecipeConfig, files: JobFiles) -> list[str]:
          f"rollout.nodes (placement: {r.placement})"),
         ("PROCS_PER_NODE", str(p.gpus_per_node), "parallelism.gpus_per_node"),
         ("GPUS_EXPECTED", str(gpus_expected(cfg)), "slurm.gpus_per_node (0 = CPU job)"),
-        ("CPUS_PER_TASK", str(s.cpus_per_task), "slurm.cpus_per_task"),
+        ("CPUS_PER_TASK", str(s.cpus_per_task or 0), "slurm.cpus_per_task (0 = every CPU of the node)"),
+        ("SERVER_CPUS", str(colocated_server_cpus(cfg)), "CPUs the trainer ranks leave to a colocated vLLM server"),
+        ("NUMA_BINDING", q(s.numa_binding if gpus_expected(cfg) else "none"),
+         "slurm.numa_binding (GPU jobs only)"),
+        ("NODE_MEM", q(str(s.mem) if s.mem is not None else "site default"), "slurm.mem (0 = all of the node's)"),
+        ("KEEP_OMP_THREADS", "1" if "OMP_NUM_THREADS" in s.env else "0", "slurm.env sets OMP_NUM_THREADS"),
         ("MASTER_PORT", str(s.master_port), "slurm.master_port"),
         ("ROLLOUT_PORT", str(r.port), "rollout.port (0 = any free port)"),
         ("STARTUP_TIMEOUT_S", str(math.ceil(r.startup_timeout_s)), "rollout.startup_timeout_s"),
         ("REQUEUE", "1" if s.requeue else "0", "slurm.requeue"),
     ]
     return [f"{name}={value}  # {note}" for name, value, note in values]
+
+
+def colocated_server_cpus(cfg: RecipeConfig) -> int:
+    """CPUs a colocated vLLM server busies on its node: the API server, one engine core per DP
+    rank and one worker per GPU (TP × DP); 0 when the servers have nodes of their own."""
+    r = cfg.rollout
+    if r.placement != "colocated":
+        return 0
+    return 1 + r.data_parallel_size + r.tensor_parallel_size * r.data_parallel_size
 
 
 def _comment(text: str) -> str:

@@ -42,11 +42,14 @@ class CorruptingTransport(FileTransport):
 
 
 def server_diff(actor: Actor, client: RolloutClient | None, probe: TrainBatch) -> float:
-    trainer = actor.compute_logprobs(probe, temperature=1.0)
+    trainer = actor.compute_logprobs(probe, temperature=1.0).cpu()
     diff = torch.zeros(())
     if client is not None:
         server = client.prompt_logprobs([row.tolist() for row in probe.tokens])
         diff = (torch.tensor(server) - trainer).abs().max()
+    # NCCL (the GPU tests) takes CUDA tensors only.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    diff = diff.to(device)
     dist.broadcast(diff, src=0)
     return float(diff)
 

@@ -74,8 +74,16 @@ MinJobAge=3600
 ReturnToService=2
 KillWait=30
 SlurmdTimeout=60
-$node_line
+# One stand-in GPU (its "device" is /dev/null): a job may ask for --gpus-per-node as on a GPU
+# cluster and Slurm sets CUDA_VISIBLE_DEVICES, while CUDA sees nothing. The tests check with it
+# that a GPU job refuses to run on the CPU.
+GresTypes=gpu
+$node_line Gres=gpu:1
 PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF
+    cat > "$DIR/gres.conf" <<CONF
+AutoDetect=off
+NodeName=$host Name=gpu File=/dev/null
 CONF
     cat > "$DIR/cgroup.conf" <<'CONF'
 # Unused (proctrack/linuxproc, task/none); present because slurmd looks for it beside slurm.conf.

@@ -1,0 +1,74 @@
+"""Transformer Engine's fused log-probs on bf16 logits, TP 1 and TP 2 (NCCL), against a float64
+log_softmax of the same bf16 values. Both paths compute in fp32 on exact bf16 inputs, so log-probs
+and entropy must agree within 1e-3 nat; gradients come out in bf16 (relative step 2^-8), hence
+rtol 1e-2. At T != 1 the division by T must not round in bf16 first (audit #16)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_rl.logprobs import vocab_parallel_logprobs
+from tests.test_logprobs import make, objective_grads, reference
+
+pytestmark = pytest.mark.gpu
+ROWS, VOCAB = 512, 32768
+ATOL_NAT = 1e-3
+
+
+def _check(out_lp: torch.Tensor, out_h: torch.Tensor, grad: torch.Tensor, logits: torch.Tensor,
+           target: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, temperature: float) -> None:
+    xr = logits.double().requires_grad_()
+    ref_lp, ref_h = reference(xr, target, temperature)
+    ref_g = objective_grads(xr, ref_lp, ref_h, w1, w2)
+    torch.testing.assert_close(out_lp.double().cpu(), ref_lp.detach(), atol=ATOL_NAT, rtol=0)
+    torch.testing.assert_close(out_h.double().cpu(), ref_h.detach(), atol=ATOL_NAT, rtol=0)
+    torch.testing.assert_close(grad.double().cpu(), ref_g, atol=1e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_te_bf16_tp1_matches_float64(temperature: float) -> None:
+    pytest.importorskip("transformer_engine.pytorch")
+    logits, target, w1, w2 = make(ROWS, VOCAB, torch.bfloat16, seed=3)
+    x = logits.cuda().requires_grad_()
+    out = vocab_parallel_logprobs(x, target.cuda(), temperature=temperature, use_te=True)
+    assert out.logprobs.device.type == "cuda" and out.logprobs.dtype == torch.float32
+    grad = objective_grads(x, out.logprobs, out.entropy, w1.cuda(), w2.cuda())
+    assert grad.dtype == torch.bfloat16
+    _check(out.logprobs, out.entropy, grad, logits, target, w1, w2, temperature)
+
+
+def _tp2_worker(rank: int, init_file: str, out_dir: str, temperature: float) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    try:
+        logits, target, w1, w2 = make(ROWS, VOCAB, torch.bfloat16, seed=5)
+        shard = VOCAB // 2
+        x = logits[:, rank * shard:(rank + 1) * shard].contiguous().cuda().requires_grad_()
+        out = vocab_parallel_logprobs(x, target.cuda(), tp_group=dist.group.WORLD, temperature=temperature,
+                                      use_te=True)
+        grad = objective_grads(x, out.logprobs, out.entropy, w1.cuda(), w2.cuda())
+        torch.save({"logp": out.logprobs.cpu(), "entropy": out.entropy.cpu(), "grad": grad.cpu()},
+                   os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_te_bf16_tp2_matches_float64(temperature: float) -> None:
+    pytest.importorskip("transformer_engine.pytorch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("TP 2 over NCCL needs 2 GPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_tp2_worker, args=(os.path.join(tmp, "init"), tmp, temperature), nprocs=2, join=True)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
+    logits, target, w1, w2 = make(ROWS, VOCAB, torch.bfloat16, seed=5)
+    grad = torch.cat([r["grad"] for r in results], dim=-1)
+    for r in results:        # every TP rank holds the full rows' log-probs and entropy
+        _check(r["logp"], r["entropy"], grad, logits, target, w1, w2, temperature)

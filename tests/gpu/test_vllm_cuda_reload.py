@@ -1,0 +1,33 @@
+"""A real vLLM server on the GPU takes the trainer's weights (file transport, layer-wise reload
+on CUDA): after a training step it is stale, after the sync its log-probs equal the trainer's, and
+a corrupted tensor shows. fp32 on both sides (no TF32 by default), so the tolerance is 2e-3."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.mp.launch import torchrun
+from tests.rollout_fixtures import TINY_MOE, start_server, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.gpu
+TOLERANCE = 2e-3
+
+
+def test_cuda_server_reloads_synced_weights(tmp_path: Path) -> None:
+    model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model", seed=4)
+    server = start_server(model, tmp_path / "run", gpu_memory_utilization=0.3)
+    try:
+        out = tmp_path / "sync.json"
+        torchrun("sync_worker.py", str(model), server.base_url, str(server.rollout_dir / "token"), "tp1", str(out),
+                 nproc=1, cuda=True)
+    finally:
+        server.stop()
+    r = json.loads(out.read_text())["tp1"]
+    for attempt in ("first", "second"):
+        assert r[f"{attempt}_before_sync"] > 10 * TOLERANCE, (attempt, r)
+        assert r[f"{attempt}_after_sync"] <= TOLERANCE, (attempt, r)
+    assert r["corrupted_after_sync"] > 10 * TOLERANCE, r
+    assert r["first_server"]["moe_layers_repacked"] == TINY_MOE["num_hidden_layers"]
