@@ -15,14 +15,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..model_config import head_dim, num_experts, rope_theta
+from ..model_config import head_dim, moe_layers, num_experts, rope_theta, with_hf_defaults
 from . import cpu_compat
 
 cpu_compat.apply()
 
 from megatron.core import parallel_state  # noqa: E402  (after the CPU patches)
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
@@ -86,14 +86,14 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        num_query_groups=hf["num_key_value_heads"],
         kv_channels=head_dim(hf),
-        ffn_hidden_size=hf.get("intermediate_size", 4 * hf["hidden_size"]),
+        ffn_hidden_size=hf["intermediate_size"],
         normalization="RMSNorm",
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        layernorm_epsilon=hf["rms_norm_eps"],
         qk_layernorm=True,
         add_bias_linear=False,
-        add_qkv_bias=bool(hf.get("attention_bias", False)),
+        add_qkv_bias=bool(hf["attention_bias"]),
         gated_linear_unit=True,
         activation_func=F.silu,
         bias_activation_fusion=False,
@@ -104,7 +104,7 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         persist_layer_norm=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        init_method_std=hf.get("initializer_range", 0.02),
+        init_method_std=hf["initializer_range"],
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
@@ -120,10 +120,7 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
 
 
 def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
-    num_layers = hf["num_hidden_layers"]
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
-    dense_layers = set(hf.get("mlp_only_layers") or [])
-    freq = [int((i + 1) % step == 0 and i not in dense_layers) for i in range(num_layers)]
+    freq = [int(moe) for moe in moe_layers(hf)]
     return dict(
         num_moe_experts=num_experts(hf),
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
@@ -132,7 +129,7 @@ def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
         moe_router_score_function="softmax",
         # HF: softmax over all experts, top-k, renormalise when norm_topk_prob. Megatron's
         # top-k-then-softmax equals that renormalised form; pre_softmax is the unnormalised one.
-        moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
+        moe_router_pre_softmax=not hf["norm_topk_prob"],
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
@@ -156,9 +153,9 @@ def _recipe(hf: dict[str, Any], config: TransformerConfig, spec: Any) -> ModelRe
         config=config,
         layer_spec=spec,
         vocab_size=hf["vocab_size"],
-        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        max_sequence_length=hf["max_position_embeddings"],
         rotary_base=rope_theta(hf),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf["tie_word_embeddings"]),
     )
 
 
@@ -171,10 +168,17 @@ def qwen3_dense(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) 
 @provider("Qwen3MoeForCausalLM")
 def qwen3_moe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
     config = TransformerConfig(**_common_config(hf, layout, dtype), **_moe_config(hf, layout))
-    return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
+    if all(moe_layers(hf)):
+        return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
+    # Dense layers too (mlp_only_layers, decoder_sparse_step): one spec per layer, from
+    # moe_layer_freq; a single layer spec would make megatron build every layer MoE.
+    return _recipe(hf, config, lambda vp_stage: get_gpt_decoder_block_spec(
+        config, use_transformer_engine(), normalization="RMSNorm", vp_stage=vp_stage))
 
 
 def build_model_recipe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+    """The model of `hf` (its absent keys read with transformers' defaults) at `layout`."""
+    hf = with_hf_defaults(hf)
     return PROVIDERS[architecture_of(hf)](hf, layout, dtype)
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from ..model_config import moe_layers, with_hf_defaults
+
 COMPONENTS: tuple[str, ...] = ("embedding", "output", "attention", "linear_attention", "dense_mlp",
                                "moe_experts", "shared_experts", "router", "norms", "mtp")
 
@@ -161,6 +163,7 @@ def _layer_types(hf: Mapping[str, Any], layers: int, spec: ArchSpec) -> tuple[st
 
 
 def read_dims(hf: Mapping[str, Any], spec: ArchSpec) -> Dims:
+    hf = with_hf_defaults(dict(hf))        # absent keys as transformers reads them
     hidden, heads = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
     layers = _int(hf, "num_hidden_layers")
     moe = spec.moe and _int(hf, "num_experts", 0) > 0
@@ -208,7 +211,9 @@ def linear_attention_blocks(d: Dims) -> list[Block]:
 
 
 def is_moe_layer(d: Dims, index: int) -> bool:
-    return d.experts > 0 and index not in d.mlp_only_layers and (index + 1) % d.decoder_sparse_step == 0
+    pattern = moe_layers({"num_experts": d.experts, "num_hidden_layers": d.layers,
+                          "decoder_sparse_step": d.decoder_sparse_step, "mlp_only_layers": list(d.mlp_only_layers)})
+    return pattern[index]
 
 
 def ffn_blocks(d: Dims, moe: bool) -> list[Block]:

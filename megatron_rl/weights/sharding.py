@@ -95,6 +95,21 @@ def local_params(model: torch.nn.Module) -> list[LocalParam]:
     return out
 
 
+def tied_output_copies(model: torch.nn.Module) -> list[LocalParam]:
+    """The last pipeline stage's copy of a tied embedding (PP > 1), as the embedding's shard.
+
+    `local_params` leaves it out (it is no weight of its own: weights leave Megatron from the first
+    stage), but loading must fill it: megatron only copies the embedding into it at construction,
+    so a model loaded afterwards would keep its random LM head on the last stage.
+    """
+    model = unwrap(model)
+    if not (model.share_embeddings_and_output_weights and model.post_process and not model.pre_process):
+        return []
+    param = model.output_layer.weight
+    return [LocalParam("output_layer.weight", "embedding.word_embeddings.weight", param, None, False,
+                       getattr(param, "partition_dim", 0), None)]
+
+
 def _sections(param: torch.Tensor, global_name: str, glu: bool, tp_dim: int | None) -> tuple[int, ...] | None:
     if tp_dim is None:
         return None
@@ -153,7 +168,7 @@ def load_full_tensors(model: torch.nn.Module, get_full: Callable[[str], torch.Te
     """
     loaded = []
     with torch.no_grad():
-        for p in local_params(model):
+        for p in local_params(model) + tied_output_copies(model):
             piece = shard(get_full(p.global_name), p)
             if tuple(piece.shape) != tuple(p.param.shape):
                 raise ValueError(f"{p.global_name}: checkpoint shard has shape {tuple(piece.shape)}, "
