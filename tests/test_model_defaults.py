@@ -94,6 +94,8 @@ def test_layer_pattern_is_transformers(tmp_path: Path) -> None:
 
 _PROVIDER_PROBE = """
 import json, sys, torch
+from megatron_rl.megatron import cpu_compat
+cpu_compat.apply()
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe
 recipe = build_model_recipe(json.loads(sys.argv[1]), ParallelLayout(), torch.float32)
 c = recipe.config

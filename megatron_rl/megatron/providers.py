@@ -1,8 +1,9 @@
 """Model providers: a Megatron-core GPTModel built from a Hugging Face `config.json`.
 
-One provider per HF architecture, chosen through a registry keyed by `architectures[0]`.
+One provider per HF architecture (in its folder under `megatron_rl/models/`), chosen through a
+registry keyed by `architectures[0]`; this module holds what they share.
 Transformer-Engine specs are used when TE is importable and CUDA is present; otherwise the local
-(pure-torch) spec, which runs on CPU with `cpu_compat` applied.
+(pure-torch) spec, which runs on CPU once the entry point has called `cpu_compat.apply()`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from ..model_config import head_dim, moe_layers, num_experts, rope_theta, with_hf_defaults
 from . import cpu_compat
 
-cpu_compat.apply()
+cpu_compat.require_applied()
 
 from megatron.core import parallel_state  # noqa: E402  (after the CPU patches)
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -72,11 +73,14 @@ class ModelRecipe:
 
 
 def architecture_of(hf: dict[str, Any]) -> str:
+    from ..models import MODELS, load_model     # the registry: imports the architecture's folder
+
     archs = hf.get("architectures") or []
     if not archs:
         raise ValueError("the model config has no 'architectures' entry")
+    load_model(archs[0], "provider")
     if archs[0] not in PROVIDERS:
-        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(PROVIDERS))}")
+        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(MODELS))}")
     return archs[0]
 
 
@@ -159,23 +163,6 @@ def _recipe(hf: dict[str, Any], config: TransformerConfig, spec: Any) -> ModelRe
     )
 
 
-@provider("Qwen3ForCausalLM")
-def qwen3_dense(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
-    config = TransformerConfig(**_common_config(hf, layout, dtype))
-    return _recipe(hf, config, _local_or_te_spec(None))
-
-
-@provider("Qwen3MoeForCausalLM")
-def qwen3_moe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
-    config = TransformerConfig(**_common_config(hf, layout, dtype), **_moe_config(hf, layout))
-    if all(moe_layers(hf)):
-        return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
-    # Dense layers too (mlp_only_layers, decoder_sparse_step): one spec per layer, from
-    # moe_layer_freq; a single layer spec would make megatron build every layer MoE.
-    return _recipe(hf, config, lambda vp_stage: get_gpt_decoder_block_spec(
-        config, use_transformer_engine(), normalization="RMSNorm", vp_stage=vp_stage))
-
-
 def build_model_recipe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
     """The model of `hf` (its absent keys read with transformers' defaults) at `layout`."""
     hf = with_hf_defaults(hf)
@@ -206,5 +193,3 @@ def build_gpt_model(recipe: ModelRecipe, vp_stage: int | None = None) -> GPTMode
         vp_stage=vp_stage,
     )
 
-
-from . import qwen3_next  # noqa: E402,F401  (registers Qwen3NextForCausalLM)

@@ -32,6 +32,8 @@ from enum import Enum
 from typing import Any
 
 from ..model_config import moe_layers, with_hf_defaults
+from ..models import planner_shapes
+from ..models.qwen3_next.layers import layer_types
 
 COMPONENTS: tuple[str, ...] = ("embedding", "output", "attention", "linear_attention", "dense_mlp",
                                "moe_experts", "shared_experts", "router", "norms", "mtp")
@@ -123,11 +125,8 @@ class ArchSpec:
     shared_expert: bool
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "Qwen3ForCausalLM": ArchSpec(moe=False, hybrid=False, gated_attention=False, shared_expert=False),
-    "Qwen3MoeForCausalLM": ArchSpec(moe=True, hybrid=False, gated_attention=False, shared_expert=False),
-    "Qwen3NextForCausalLM": ArchSpec(moe=True, hybrid=True, gated_attention=True, shared_expert=True),
-}
+ARCHITECTURES: dict[str, ArchSpec] = {arch: ArchSpec(**shape) for arch, shape in planner_shapes().items()}
+"""From each model folder's `PLANNER_SHAPES` (megatron_rl/models/)."""
 MODEL_TYPES: dict[str, str] = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                                "qwen3_next": "Qwen3NextForCausalLM"}
 
@@ -151,15 +150,10 @@ def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
 def _layer_types(hf: Mapping[str, Any], layers: int, spec: ArchSpec) -> tuple[str, ...]:
     if not spec.hybrid:
         return ("full_attention",) * layers
-    if hf.get("layer_types"):
-        types = tuple(str(t) for t in hf["layer_types"])
-        if len(types) != layers:
-            raise PlannerError(f"layer_types has {len(types)} entries for {layers} layers")
-        return types
-    # transformers' Qwen3NextConfig: every `full_attention_interval`-th layer is full attention.
-    interval = _int(hf, "full_attention_interval", 4)
-    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(layers))
+    try:
+        return tuple(layer_types(dict(hf)))     # the architecture's own layer pattern
+    except ValueError as exc:
+        raise PlannerError(str(exc)) from None
 
 
 def read_dims(hf: Mapping[str, Any], spec: ArchSpec) -> Dims:

@@ -140,10 +140,11 @@ def register_adapter(*architectures: str) -> Callable[[AdapterFn], AdapterFn]:
 
 def adapter_for(hf_config: dict[str, Any]) -> WeightAdapter:
     """The adapter for `hf_config['architectures'][0]`, absent keys read as transformers would."""
-    from . import qwen3  # noqa: F401  (registers the Qwen3 family)
-    from . import qwen3_next  # noqa: F401  (registers Qwen3-Next)
+    from ..models import MODELS, load_model     # the registry: imports the architecture's folder
 
     archs = hf_config.get("architectures") or []
+    if archs:
+        load_model(archs[0], "weights")
     if not archs or archs[0] not in ADAPTERS:
-        raise ValueError(f"no weight map for architecture {archs[:1]}; supported: {', '.join(sorted(ADAPTERS))}")
+        raise ValueError(f"no weight map for architecture {archs[:1]}; supported: {', '.join(sorted(MODELS))}")
     return ADAPTERS[archs[0]](with_hf_defaults(hf_config))

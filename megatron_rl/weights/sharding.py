@@ -19,15 +19,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-# The actor import applies the CPU patches, which must precede the first megatron.core import.
-from ..megatron.actor import unwrap  # isort: skip
+from ..megatron.actor import unwrap  # isort: skip  (requires the entry point's cpu_compat.apply())
 
 from megatron.core import parallel_state as ps  # noqa: E402
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-TP_SECTIONS_ATTR = "tp_split_sections"
-"""Parameter attribute: this rank's section sizes along `partition_dim` (each section TP-split)."""
+from ..megatron.sections import TP_SECTIONS_ATTR  # noqa: E402  (defined beside the providers that set it)
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..model_config import head_dim, moe_layers, num_experts
-from .adapters import Entry, WeightAdapter, cat_rows, qkv_merge, register_adapter, split_rows
+from ...model_config import head_dim, moe_layers, num_experts
+from ...weights.adapters import Entry, WeightAdapter, cat_rows, qkv_merge, register_adapter, split_rows
 
 
 def attention_entries(hf: dict[str, Any], i: int, hf_attn: str, mc_attn: str) -> list[Entry]:

@@ -30,28 +30,14 @@ from typing import Any
 
 import torch
 
-from ..model_config import head_dim
-from .adapters import Entry, Merge, Split, Tensor, WeightAdapter, interleave_groups, register_adapter, \
+from ...model_config import head_dim
+from ...weights.adapters import Entry, Merge, Split, Tensor, WeightAdapter, interleave_groups, register_adapter, \
     split_groups
-from .qwen3 import attention_entries, global_entries, mlp_entries, moe_layer, swiglu_entries
+from ..qwen3.weights import attention_entries, global_entries, mlp_entries, moe_layer, swiglu_entries
+from .layers import ARCH, LINEAR, layer_types
 
 log = logging.getLogger(__name__)
-ARCH = "Qwen3NextForCausalLM"
-LINEAR, FULL = "linear_attention", "full_attention"
 MTP_PREFIX = "mtp."
-
-
-def layer_types(hf: dict[str, Any]) -> list[str]:
-    """Per-layer token mixer. Released configs give `full_attention_interval` (every N-th layer is
-    full attention); transformers 5 writes the expanded `layer_types`. Shared with the provider."""
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if types is None:
-        interval = int(hf["full_attention_interval"])
-        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
-    if len(types) != n or set(types) - {LINEAR, FULL}:
-        raise ValueError(f"{ARCH}: layer_types must be {n} of {LINEAR!r}/{FULL!r}, got {types}")
-    return list(types)
 
 
 def gated_qkv_merge(hf: dict[str, Any]) -> tuple[Merge, Split]:

@@ -20,13 +20,12 @@ from typing import Any
 
 import torch
 
-from ..model_config import num_experts, rope_parameters
-from ..weights.qwen3_next import ARCH, LINEAR, layer_types
-from . import cpu_compat
-from .providers import ModelRecipe, ParallelLayout, _common_config, _moe_config, _recipe, provider, \
+from ...megatron import cpu_compat
+from ...megatron.providers import ModelRecipe, ParallelLayout, _common_config, _moe_config, _recipe, provider, \
     use_transformer_engine
-
-cpu_compat.apply()
+from ...megatron.sections import TP_SECTIONS_ATTR
+from ...model_config import num_experts, rope_parameters
+from .layers import ARCH, LINEAR, layer_types
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
@@ -58,9 +57,6 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Imported here: weights.sharding imports the actor, which imports the providers.
-        from ..weights.sharding import TP_SECTIONS_ATTR
-
         qk, v = self.qk_dim_local_tp, self.v_dim_local_tp
         setattr(self.in_proj.weight, TP_SECTIONS_ATTR, tuple(self.in_proj_split_sections))
         setattr(self.conv1d.weight, TP_SECTIONS_ATTR, (qk, qk, v))
@@ -70,7 +66,7 @@ class GatedOutputNorm(cpu_compat.LocalRMSNorm):
     """The RMSNorm inside GDN, before the SiLU(z) gate, zero-centred (x̂ · (1 + p)) like the model's
     other norms and like Megatron's TE spec (TENorm with `layernorm_zero_centered_gamma`), so the
     stored p is Megatron-Bridge's. HF's Qwen3NextRMSNormGated is plain-scale (x̂ · w, w init 1):
-    the weight map converts w = 1 + p at the HF boundary (weights/qwen3_next.py). Pure torch, so
+    the weight map converts w = 1 + p at the HF boundary (weights.py). Pure torch, so
     the TE spec uses it too (same parameter, same key).
 
     Its weight is shared by all value heads while each TP rank sees only its own heads, so the
