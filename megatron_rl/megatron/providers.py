@@ -23,7 +23,7 @@ cpu_compat.require_applied()
 
 from megatron.core import parallel_state  # noqa: E402  (after the CPU patches)
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
