@@ -61,7 +61,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_rl.megatron.actor import Actor, init_parallel, unwrap  # noqa: E402  (applies cpu_compat first)
+from megatron_rl.megatron import cpu_compat  # noqa: E402
+
+cpu_compat.apply()   # before anything imports megatron-core
+from megatron_rl.megatron.actor import Actor, init_parallel, unwrap  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402

@@ -54,12 +54,90 @@ def num_experts(hf: dict[str, Any]) -> int:
     return int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
 
 
-def rope_theta(hf: dict[str, Any], default: float = 1_000_000.0) -> float:
-    """RoPE base: `rope_theta` (public configs) or `rope_parameters.rope_theta` (transformers 5)."""
-    if "rope_theta" in hf:
-        return float(hf["rope_theta"])
-    return float((hf.get("rope_parameters") or {}).get("rope_theta", default))
+def rope_theta(hf: dict[str, Any]) -> float:
+    """RoPE base: `rope_theta` (public configs) or `rope_parameters.rope_theta` (transformers 5);
+    transformers' `default_theta` when neither is given."""
+    rope = rope_parameters(hf)
+    for value in (rope.get("rope_theta"), hf.get("rope_theta")):      # transformers' priority
+        if value is not None:
+            return float(value)
+    return DEFAULT_ROPE_THETA
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE dict as transformers picks it: `rope_scaling`, else `rope_parameters`."""
+    return dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
 
 
 def head_dim(hf: dict[str, Any]) -> int:
+    """Explicit `head_dim`, else hidden / heads (Qwen3-MoE's modeling code; the other two
+    architectures get their transformers default from `with_hf_defaults`)."""
     return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+DEFAULT_ROPE_THETA = 10_000.0
+"""transformers' `RotaryEmbeddingConfigMixin.default_theta`."""
+
+_QWEN3_COMMON: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_act": "silu", "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "attention_bias": False, "max_position_embeddings": 32768,
+}
+_MOE_COMMON: dict[str, Any] = {"decoder_sparse_step": 1, "mlp_only_layers": []}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    # transformers 5.19 configuration_qwen3.py
+    "Qwen3ForCausalLM": {**_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 22016,
+                         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                         "head_dim": 128},
+    # configuration_qwen3_moe.py (no head_dim field: the modeling code uses hidden / heads)
+    "Qwen3MoeForCausalLM": {**_QWEN3_COMMON, **_MOE_COMMON, "hidden_size": 2048, "intermediate_size": 6144,
+                            "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+                            "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+                            "norm_topk_prob": False},
+    # configuration_qwen3_next.py
+    "Qwen3NextForCausalLM": {**_QWEN3_COMMON, **_MOE_COMMON, "hidden_size": 2048, "intermediate_size": 5632,
+                             "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+                             "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                             "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                             "linear_num_value_heads": 32, "moe_intermediate_size": 512,
+                             "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10,
+                             "num_experts": 512, "norm_topk_prob": True, "full_attention_interval": 4,
+                             "partial_rotary_factor": 0.25},
+}
+"""Per architecture, what transformers assumes for a key that `config.json` leaves out. Every key
+the providers, weight maps and planner read is here or required; tests/test_model_defaults.py
+builds the transformers config objects and compares field by field."""
+_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+_EXPERT_ALIASES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def with_hf_defaults(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf` with every absent (or null) key its architecture reads filled in as transformers would.
+
+    Unknown architectures come back unchanged (the registries refuse them with the supported list).
+    """
+    archs = list(hf.get("architectures") or []) + [_MODEL_TYPES.get(str(hf.get("model_type")), "")]
+    defaults = HF_DEFAULTS.get(archs[0]) or HF_DEFAULTS.get(archs[-1])
+    if defaults is None:
+        return dict(hf)
+    out = dict(hf)
+    for key, value in defaults.items():
+        if key == "num_experts" and any(out.get(k) is not None for k in _EXPERT_ALIASES):
+            continue
+        if out.get(key) is None:
+            out[key] = list(value) if isinstance(value, list) else value
+    if hf.get("num_key_value_heads", 0) is None:       # Qwen3Config: explicit null means MHA
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
+
+
+def moe_layers(hf: dict[str, Any]) -> list[bool]:
+    """Per layer: does it have routed experts? The one definition (transformers' Qwen3-MoE and
+    Qwen3-Next decoder layers): MoE when the model has experts, the layer is not in
+    `mlp_only_layers` and (i + 1) is a multiple of `decoder_sparse_step`; otherwise a dense SwiGLU
+    MLP. Used by the provider (Megatron's `moe_layer_freq` and layer specs), the weight map and the
+    planner."""
+    if not num_experts(hf):
+        return [False] * int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in hf.get("mlp_only_layers") or []}
+    return [(i + 1) % step == 0 and i not in dense for i in range(int(hf["num_hidden_layers"]))]

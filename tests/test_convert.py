@@ -47,6 +47,8 @@ class Case:
 CASES: dict[str, Case] = {
     "qwen3_dense_tied": Case(DENSE_TIED),
     "qwen3_moe": Case(MOE),
+    # Dense MLPs among MoE ones (decoder_sparse_step 2, mlp_only_layers): MoE only at layer 1.
+    "qwen3_moe_dense_layers": Case({**MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}),
     "qwen3_next": Case(TINY_QWEN3_NEXT),
 }
 EXPORT_CASE = "qwen3_moe"        # the failure cases use this one

@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.weights.adapters import adapter_for
 from megatron_rl.weights.hf_io import HFCheckpointReader
-from megatron_rl.weights.qwen3_next import layer_types
+from megatron_rl.models.qwen3_next.layers import layer_types
 from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
 from tests.mp.launch import REPO, torchrun
 

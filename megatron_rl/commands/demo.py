@@ -34,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_checked(args.recipe, overrides)
     if cfg is None:
         return 1
+    from ..megatron import cpu_compat
+
+    cpu_compat.apply()   # before the trainer imports megatron-core
     from ..train.loop import train
 
     started = time.time()

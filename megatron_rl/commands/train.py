@@ -40,14 +40,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_checked(args.recipe, args.overrides)
     if cfg is None:
         return 1
-    from ..megatron.cpu_compat import cuda_problem
+    from ..megatron import cpu_compat
     from ..slurm.render import gpus_expected
 
     # Before anything is built: a GPU recipe must not quietly train on the CPU.
-    problem = cuda_problem(gpus_expected(cfg))
+    problem = cpu_compat.cuda_problem(gpus_expected(cfg))
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1
+    cpu_compat.apply()   # before the trainer imports megatron-core
     from ..train.loop import train
     from ..train.session import Stop
 

@@ -300,8 +300,20 @@ def check_patched_symbols() -> list[str]:
     return missing
 
 
+def require_applied() -> None:
+    """Called by the modules that import megatron-core: without CUDA, megatron-core cannot even be
+    imported unpatched (its MoE ops import triton), and patching torch.cuda is process-wide, so it
+    is the entry point's explicit decision, never a side effect of importing a provider."""
+    if cuda_absent() and not _applied:
+        raise ImportError("megatron-core on a machine without CUDA needs the CPU patches: call "
+                          "megatron_rl.megatron.cpu_compat.apply() at the entry point, before importing "
+                          "megatron_rl.megatron / megatron_rl.weights modules that use megatron-core")
+
+
 def apply() -> bool:
-    """Patch torch.cuda and megatron-core for CPU; returns True when patches were applied.
+    """Patch torch.cuda and megatron-core for CPU (a no-op with CUDA); the entry points (CLI
+    commands, conversion and test workers) call it before importing megatron-core.
+    Returns True when patches were applied.
 
     Raises CudaRequiredError instead when $MEGATRON_RL_REQUIRE_CUDA asks for more devices than
     CUDA sees (a GPU job whose container cannot see the GPUs must not train on the CPU)."""

@@ -1,8 +1,9 @@
 """Model providers: a Megatron-core GPTModel built from a Hugging Face `config.json`.
 
-One provider per HF architecture, chosen through a registry keyed by `architectures[0]`.
+One provider per HF architecture (in its folder under `megatron_rl/models/`), chosen through a
+registry keyed by `architectures[0]`; this module holds what they share.
 Transformer-Engine specs are used when TE is importable and CUDA is present; otherwise the local
-(pure-torch) spec, which runs on CPU with `cpu_compat` applied.
+(pure-torch) spec, which runs on CPU once the entry point has called `cpu_compat.apply()`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..model_config import head_dim, num_experts, rope_theta
+from ..model_config import head_dim, moe_layers, num_experts, rope_theta, with_hf_defaults
 from . import cpu_compat
 
-cpu_compat.apply()
+cpu_compat.require_applied()
 
 from megatron.core import parallel_state  # noqa: E402  (after the CPU patches)
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -72,11 +73,14 @@ class ModelRecipe:
 
 
 def architecture_of(hf: dict[str, Any]) -> str:
+    from ..models import MODELS, load_model     # the registry: imports the architecture's folder
+
     archs = hf.get("architectures") or []
     if not archs:
         raise ValueError("the model config has no 'architectures' entry")
+    load_model(archs[0], "provider")
     if archs[0] not in PROVIDERS:
-        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(PROVIDERS))}")
+        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(MODELS))}")
     return archs[0]
 
 
@@ -86,14 +90,14 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        num_query_groups=hf["num_key_value_heads"],
         kv_channels=head_dim(hf),
-        ffn_hidden_size=hf.get("intermediate_size", 4 * hf["hidden_size"]),
+        ffn_hidden_size=hf["intermediate_size"],
         normalization="RMSNorm",
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        layernorm_epsilon=hf["rms_norm_eps"],
         qk_layernorm=True,
         add_bias_linear=False,
-        add_qkv_bias=bool(hf.get("attention_bias", False)),
+        add_qkv_bias=bool(hf["attention_bias"]),
         gated_linear_unit=True,
         activation_func=F.silu,
         bias_activation_fusion=False,
@@ -104,7 +108,7 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         persist_layer_norm=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        init_method_std=hf.get("initializer_range", 0.02),
+        init_method_std=hf["initializer_range"],
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
@@ -120,10 +124,7 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
 
 
 def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
-    num_layers = hf["num_hidden_layers"]
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
-    dense_layers = set(hf.get("mlp_only_layers") or [])
-    freq = [int((i + 1) % step == 0 and i not in dense_layers) for i in range(num_layers)]
+    freq = [int(moe) for moe in moe_layers(hf)]
     return dict(
         num_moe_experts=num_experts(hf),
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
@@ -132,7 +133,7 @@ def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
         moe_router_score_function="softmax",
         # HF: softmax over all experts, top-k, renormalise when norm_topk_prob. Megatron's
         # top-k-then-softmax equals that renormalised form; pre_softmax is the unnormalised one.
-        moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
+        moe_router_pre_softmax=not hf["norm_topk_prob"],
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
@@ -156,25 +157,15 @@ def _recipe(hf: dict[str, Any], config: TransformerConfig, spec: Any) -> ModelRe
         config=config,
         layer_spec=spec,
         vocab_size=hf["vocab_size"],
-        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        max_sequence_length=hf["max_position_embeddings"],
         rotary_base=rope_theta(hf),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf["tie_word_embeddings"]),
     )
 
 
-@provider("Qwen3ForCausalLM")
-def qwen3_dense(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
-    config = TransformerConfig(**_common_config(hf, layout, dtype))
-    return _recipe(hf, config, _local_or_te_spec(None))
-
-
-@provider("Qwen3MoeForCausalLM")
-def qwen3_moe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
-    config = TransformerConfig(**_common_config(hf, layout, dtype), **_moe_config(hf, layout))
-    return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
-
-
 def build_model_recipe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+    """The model of `hf` (its absent keys read with transformers' defaults) at `layout`."""
+    hf = with_hf_defaults(hf)
     return PROVIDERS[architecture_of(hf)](hf, layout, dtype)
 
 
@@ -202,5 +193,3 @@ def build_gpt_model(recipe: ModelRecipe, vp_stage: int | None = None) -> GPTMode
         vp_stage=vp_stage,
     )
 
-
-from . import qwen3_next  # noqa: E402,F401  (registers Qwen3NextForCausalLM)

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from megatron_rl.model_config import num_experts
+from ..model_config import moe_layers, num_experts, with_hf_defaults
+from ..models import planner_shapes
+from ..models.qwen3_next.layers import layer_types
 
 COMPONENTS: tuple[str, ...] = ("embedding", "output", "attention", "linear_attention", "dense_mlp",
                                "moe_experts", "shared_experts", "router", "norms", "mtp")
@@ -123,11 +125,8 @@ class ArchSpec:
     shared_expert: bool
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "Qwen3ForCausalLM": ArchSpec(moe=False, hybrid=False, gated_attention=False, shared_expert=False),
-    "Qwen3MoeForCausalLM": ArchSpec(moe=True, hybrid=False, gated_attention=False, shared_expert=False),
-    "Qwen3NextForCausalLM": ArchSpec(moe=True, hybrid=True, gated_attention=True, shared_expert=True),
-}
+ARCHITECTURES: dict[str, ArchSpec] = {arch: ArchSpec(**shape) for arch, shape in planner_shapes().items()}
+"""From each model folder's `PLANNER_SHAPES` (megatron_rl/models/)."""
 MODEL_TYPES: dict[str, str] = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                                "qwen3_next": "Qwen3NextForCausalLM"}
 
@@ -151,18 +150,14 @@ def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
 def _layer_types(hf: Mapping[str, Any], layers: int, spec: ArchSpec) -> tuple[str, ...]:
     if not spec.hybrid:
         return ("full_attention",) * layers
-    if hf.get("layer_types"):
-        types = tuple(str(t) for t in hf["layer_types"])
-        if len(types) != layers:
-            raise PlannerError(f"layer_types has {len(types)} entries for {layers} layers")
-        return types
-    # transformers' Qwen3NextConfig: every `full_attention_interval`-th layer is full attention.
-    interval = _int(hf, "full_attention_interval", 4)
-    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(layers))
+    try:
+        return tuple(layer_types(dict(hf)))     # the architecture's own layer pattern
+    except ValueError as exc:
+        raise PlannerError(str(exc)) from None
 
 
 def read_dims(hf: Mapping[str, Any], spec: ArchSpec) -> Dims:
+    hf = with_hf_defaults(dict(hf))        # absent keys as transformers reads them
     hidden, heads = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
     layers = _int(hf, "num_hidden_layers")
     # transformers 5 writes `num_local_experts` (and `num_experts: None`); one reader for both.
@@ -212,7 +207,9 @@ def linear_attention_blocks(d: Dims) -> list[Block]:
 
 
 def is_moe_layer(d: Dims, index: int) -> bool:
-    return d.experts > 0 and index not in d.mlp_only_layers and (index + 1) % d.decoder_sparse_step == 0
+    pattern = moe_layers({"num_experts": d.experts, "num_hidden_layers": d.layers,
+                          "decoder_sparse_step": d.decoder_sparse_step, "mlp_only_layers": list(d.mlp_only_layers)})
+    return pattern[index]
 
 
 def ffn_blocks(d: Dims, moe: bool) -> list[Block]:

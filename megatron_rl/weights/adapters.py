@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..model_config import with_hf_defaults
+
 Tensor = torch.Tensor
 Merge = Callable[[list[Tensor]], Tensor]
 Split = Callable[[Tensor], list[Tensor]]
@@ -83,6 +85,9 @@ class WeightAdapter:
 
     hf_config: dict[str, Any]
     entries: list[Entry] = field(default_factory=list)
+    ignored_hf_prefixes: tuple[str, ...] = ()
+    """HF tensors the Megatron model has no place for, dropped on import (listed in the log and in
+    the converted checkpoint) and absent on export, e.g. Qwen3-Next's `mtp.*`."""
 
     def __post_init__(self) -> None:
         self._by_mcore = {e.mcore: e for e in self.entries}
@@ -96,6 +101,9 @@ class WeightAdapter:
 
     def entry_for_hf(self, name: str) -> Entry | None:
         return self._by_hf.get(name)
+
+    def is_ignored_hf(self, name: str) -> bool:
+        return name.startswith(self.ignored_hf_prefixes) if self.ignored_hf_prefixes else False
 
     def hf_names(self) -> list[str]:
         return [n for e in self.entries for n in e.hf]
@@ -131,11 +139,12 @@ def register_adapter(*architectures: str) -> Callable[[AdapterFn], AdapterFn]:
 
 
 def adapter_for(hf_config: dict[str, Any]) -> WeightAdapter:
-    """The adapter for `hf_config['architectures'][0]`."""
-    from . import qwen3  # noqa: F401  (registers the Qwen3 family)
-    from . import qwen3_next  # noqa: F401  (registers Qwen3-Next)
+    """The adapter for `hf_config['architectures'][0]`, absent keys read as transformers would."""
+    from ..models import MODELS, load_model     # the registry: imports the architecture's folder
 
     archs = hf_config.get("architectures") or []
+    if archs:
+        load_model(archs[0], "weights")
     if not archs or archs[0] not in ADAPTERS:
-        raise ValueError(f"no weight map for architecture {archs[:1]}; supported: {', '.join(sorted(ADAPTERS))}")
-    return ADAPTERS[archs[0]](hf_config)
+        raise ValueError(f"no weight map for architecture {archs[:1]}; supported: {', '.join(sorted(MODELS))}")
+    return ADAPTERS[archs[0]](with_hf_defaults(hf_config))

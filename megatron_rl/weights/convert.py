@@ -222,6 +222,9 @@ def stats_payload(stats: dict[str, Any]) -> str:
 if __name__ == "__main__":
     # The torchrun entry point. Kept in this light module on purpose: megatron's checkpoint saver
     # spawns a helper process that re-imports the __main__ module, and this one imports no torch.
+    from ..megatron import cpu_compat
+
+    cpu_compat.apply()   # before convert_worker imports megatron-core
     from .convert_worker import main
 
     sys.exit(main(sys.argv[1:]))

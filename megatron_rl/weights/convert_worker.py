@@ -44,6 +44,8 @@ from .stream_io import PlannedHFWriter, TensorInfo, checkpoint_tensor_infos, los
 
 HF_SUBDIR = "hf"
 WEIGHT_DTYPES = "weight_dtypes.json"
+DROPPED = "dropped_tensors.json"
+"""In `<out>/hf/`: the HF tensors hf-to-mcore did not convert (the adapter's `ignored_hf_prefixes`)."""
 _EXPECTED_ERRORS = (ConversionError, CheckpointError, ModelConfigError, FileNotFoundError)
 
 
@@ -117,7 +119,7 @@ def hf_problems(adapter: WeightAdapter, shapes: dict[str, tuple[int, ...]],
             expected.update(hf_shapes(adapter, e, shapes[e.mcore]))
     problems = [f"missing: {n} (expected shape {list(s)})" for n, s in expected.items() if n not in found]
     problems += [f"unexpected: {n} (shape {list(t.shape)}, {t.dtype})" for n, t in found.items()
-                 if n not in expected and adapter.entry_for_hf(n) is None]
+                 if n not in expected and adapter.entry_for_hf(n) is None and not adapter.is_ignored_hf(n)]
     problems += [f"wrong shape: {n}: checkpoint has {list(found[n].shape)}, model expects {list(s)}"
                  for n, s in expected.items() if n in found and found[n].shape != s]
     return problems
@@ -141,6 +143,11 @@ def hf_to_mcore(job: ConvertJob) -> dict[str, Any]:
         if problems:
             raise ConversionError(f"{src} does not match the {hf['architectures'][0]} model "
                                   f"({len(problems)} problem(s)); nothing was written:", problems)
+        dropped = sorted(n for n in found if adapter.is_ignored_hf(n))
+        if dropped and dist.get_rank() == 0:
+            print(f"not converted ({len(dropped)} tensors, {sum(found[n].nbytes for n in dropped) / 2**20:.1f} MiB; "
+                  f"no such layer in the Megatron model, listed in {HF_SUBDIR}/{DROPPED}): "
+                  f"{', '.join(dropped[:8])}{', ...' if len(dropped) > 8 else ''}", flush=True)
         stage = out.with_name(f".{out.name}.converting")
         try:
             read_bytes, load_s = _load_agreed(actor, adapter, reader, found, job.progress)
@@ -150,14 +157,14 @@ def hf_to_mcore(job: ConvertJob) -> dict[str, Any]:
                      "conversion_layout": asdict(job.layout)}
             save_checkpoint(actor, stage, extra=extra)
             if dist.get_rank() == 0:
-                _publish(stage, out, src, found)
+                _publish(stage, out, src, found, dropped)
             dist.barrier()
         except BaseException:
             _remove_stage(stage)
             raise
     finally:
         reader.close()
-    return {"direction": HF_TO_MCORE, "bytes": sum(t.nbytes for t in found.values()),
+    return {"direction": HF_TO_MCORE, "bytes": sum(t.nbytes for t in found.values()), "dropped": dropped,
             "rank0_read_bytes": read_bytes, "load_seconds": load_s,
             "save_seconds": time.perf_counter() - save_start, "seconds": time.perf_counter() - start}
 
@@ -217,7 +224,7 @@ def _read(reader: HFCheckpointReader, name: str) -> torch.Tensor:
         raise CheckpointError(f"{reader.dir / reader.weight_map[name]}: cannot read {name}: {exc}") from exc
 
 
-def _publish(stage: Path, out: Path, src: Path, found: dict[str, TensorInfo]) -> None:
+def _publish(stage: Path, out: Path, src: Path, found: dict[str, TensorInfo], dropped: list[str]) -> None:
     """Rank 0: add the HF side files to the finished stage and move it to `out` in one rename."""
     side = stage / HF_SUBDIR
     side.mkdir()
@@ -225,6 +232,7 @@ def _publish(stage: Path, out: Path, src: Path, found: dict[str, TensorInfo]) ->
         if (src / name).is_file():
             shutil.copy2(src / name, side / name)
     (side / WEIGHT_DTYPES).write_text(json.dumps({n: _name(t.dtype) for n, t in found.items()}, indent=0))
+    (side / DROPPED).write_text(json.dumps(dropped, indent=0))
     if out.exists():
         shutil.rmtree(out)
     stage.rename(out)

@@ -19,15 +19,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-# The actor import applies the CPU patches, which must precede the first megatron.core import.
-from ..megatron.actor import unwrap  # isort: skip
+from ..megatron.actor import unwrap  # isort: skip  (requires the entry point's cpu_compat.apply())
 
 from megatron.core import parallel_state as ps  # noqa: E402
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-TP_SECTIONS_ATTR = "tp_split_sections"
-"""Parameter attribute: this rank's section sizes along `partition_dim` (each section TP-split)."""
+from ..megatron.sections import TP_SECTIONS_ATTR  # noqa: E402  (defined beside the providers that set it)
 
 
 @dataclass
@@ -95,6 +93,21 @@ def local_params(model: torch.nn.Module) -> list[LocalParam]:
     return out
 
 
+def tied_output_copies(model: torch.nn.Module) -> list[LocalParam]:
+    """The last pipeline stage's copy of a tied embedding (PP > 1), as the embedding's shard.
+
+    `local_params` leaves it out (it is no weight of its own: weights leave Megatron from the first
+    stage), but loading must fill it: megatron only copies the embedding into it at construction,
+    so a model loaded afterwards would keep its random LM head on the last stage.
+    """
+    model = unwrap(model)
+    if not (model.share_embeddings_and_output_weights and model.post_process and not model.pre_process):
+        return []
+    param = model.output_layer.weight
+    return [LocalParam("output_layer.weight", "embedding.word_embeddings.weight", param, None, False,
+                       getattr(param, "partition_dim", 0), None)]
+
+
 def _sections(param: torch.Tensor, global_name: str, glu: bool, tp_dim: int | None) -> tuple[int, ...] | None:
     if tp_dim is None:
         return None
@@ -153,7 +166,7 @@ def load_full_tensors(model: torch.nn.Module, get_full: Callable[[str], torch.Te
     """
     loaded = []
     with torch.no_grad():
-        for p in local_params(model):
+        for p in local_params(model) + tied_output_copies(model):
             piece = shard(get_full(p.global_name), p)
             if tuple(piece.shape) != tuple(p.param.shape):
                 raise ValueError(f"{p.global_name}: checkpoint shard has shape {tuple(piece.shape)}, "

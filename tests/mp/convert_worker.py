@@ -17,6 +17,10 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 
+from megatron_rl.megatron import cpu_compat  # noqa: E402
+
+cpu_compat.apply()   # explicit: before anything imports megatron-core
+
 from megatron_rl.megatron.actor import unwrap  # noqa: E402
 from megatron_rl.megatron.checkpoint import load_checkpoint  # noqa: E402
 from megatron_rl.model_config import num_experts, read_hf_config  # noqa: E402

@@ -13,6 +13,10 @@ import torch
 
 torch.set_num_threads(1)
 
+from megatron_rl.megatron import cpu_compat  # noqa: E402
+
+cpu_compat.apply()   # explicit: before anything imports megatron-core
+
 from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..model_config import head_dim, num_experts
-from .adapters import Entry, WeightAdapter, cat_rows, qkv_merge, register_adapter, split_rows
+from ...model_config import head_dim, moe_layers, num_experts
+from ...weights.adapters import Entry, WeightAdapter, cat_rows, qkv_merge, register_adapter, split_rows
 
 
 def attention_entries(hf: dict[str, Any], i: int, hf_attn: str, mc_attn: str) -> list[Entry]:
-    heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    heads, groups = hf["num_attention_heads"], hf["num_key_value_heads"]
     merge, split = qkv_merge(heads, groups, head_dim(hf))
     return [
         Entry(f"{mc_attn}.linear_qkv.weight",
@@ -29,10 +29,7 @@ def swiglu_entries(hf_mlp: str, mc_mlp: str, i: int) -> list[Entry]:
 
 
 def moe_layer(hf: dict[str, Any], i: int) -> bool:
-    if not num_experts(hf):
-        return False
-    step = int(hf.get("decoder_sparse_step", 1) or 1)
-    return (i + 1) % step == 0 and i not in set(hf.get("mlp_only_layers") or [])
+    return moe_layers(hf)[i]
 
 
 def mlp_entries(hf: dict[str, Any], i: int) -> list[Entry]:
@@ -49,7 +46,7 @@ def global_entries(hf: dict[str, Any], last: bool) -> list[Entry]:
     if not last:
         return [Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
     out = [Entry("decoder.final_layernorm.weight", ("model.norm.weight",))]
-    if not hf.get("tie_word_embeddings", False):
+    if not hf["tie_word_embeddings"]:
         out.append(Entry("output_layer.weight", ("lm_head.weight",)))
     return out
 

@@ -6,37 +6,38 @@ although fused in memory). Layouts that differ between the two sides:
   per query group as [q heads; gate heads; k; v].
 - Gated DeltaNet: HF groups in_proj_qkvz as [q; k; v; z] and in_proj_ba as [b; a] per *key* head;
   Megatron's in_proj is sectioned [q; k; v; z; beta; alpha], each section in head order.
-Everything else maps one to one: the zero-centred norms store the same w on both sides (y = x̂·(1+w)),
-and the GDN output norm is built plain-scale (see megatron/qwen3_next.py), so nothing is offset by 1
-and a round trip is bit-identical. `mtp.*` tensors of released checkpoints are not mapped.
+- GDN output norm: HF's Qwen3NextRMSNormGated is plain-scale (y = x̂·w, w init 1); Megatron builds
+  it zero-centred like every other Qwen3-Next norm (y = x̂·(1+p)), as Megatron's own TE spec and
+  Megatron-Bridge do, so p = w − 1 is stored, under the same dist-checkpoint key as Megatron-Bridge
+  (`RMSNorm2ZeroCenteredRMSNormMapping`): our torch_dist checkpoints and theirs interchange. The
+  ±1 is exact (a bit-identical round trip) for every w ≥ 0.5 in the tensor's own dtype (w − 1 then
+  needs no more significant bits than w); a weight below 0.5 may lose its lowest bits (logged, with
+  the tensor's name and the count).
+Everything else maps one to one: the other zero-centred norms store the same w on both sides
+(y = x̂·(1+w) in HF and Megatron).
+
+`mtp.*` (the multi-token-prediction layer of released checkpoints) is dropped on import and listed:
+the Megatron model has no MTP layer (like transformers and vLLM's main model, which ignore it), so
+those weights would neither be trained nor stay consistent with the trained trunk; exporting the
+base model's MTP head next to a fine-tuned trunk would hand a speculative decoder a stale draft
+model. Use the original release's `mtp.*` deliberately if you want that.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from ..model_config import head_dim
-from .adapters import Entry, Merge, Split, Tensor, WeightAdapter, interleave_groups, register_adapter, \
+from ...model_config import head_dim
+from ...weights.adapters import Entry, Merge, Split, Tensor, WeightAdapter, interleave_groups, register_adapter, \
     split_groups
-from .qwen3 import attention_entries, global_entries, mlp_entries, moe_layer, swiglu_entries
+from ..qwen3.weights import attention_entries, global_entries, mlp_entries, moe_layer, swiglu_entries
+from .layers import ARCH, LINEAR, layer_types
 
-ARCH = "Qwen3NextForCausalLM"
-LINEAR, FULL = "linear_attention", "full_attention"
-
-
-def layer_types(hf: dict[str, Any]) -> list[str]:
-    """Per-layer token mixer. Released configs give `full_attention_interval` (every N-th layer is
-    full attention); transformers 5 writes the expanded `layer_types`. Shared with the provider."""
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if types is None:
-        interval = int(hf.get("full_attention_interval", 4))
-        types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
-    if len(types) != n or set(types) - {LINEAR, FULL}:
-        raise ValueError(f"{ARCH}: layer_types must be {n} of {LINEAR!r}/{FULL!r}, got {types}")
-    return list(types)
+log = logging.getLogger(__name__)
+MTP_PREFIX = "mtp."
 
 
 def gated_qkv_merge(hf: dict[str, Any]) -> tuple[Merge, Split]:
@@ -73,13 +74,34 @@ def gdn_in_proj_merge(hf: dict[str, Any]) -> tuple[Merge, Split]:
     return merge, split
 
 
+def to_zero_centred(name: str) -> Merge:
+    """HF plain-scale norm weight w → Megatron zero-centred p = w − 1 (in fp32, back to w's dtype)."""
+
+    def merge(ts: list[Tensor]) -> Tensor:
+        w = ts[0]
+        p = (w.float() - 1.0).to(w.dtype)
+        lost = 0 if w.is_meta else int((from_zero_centred(p)[0] != w).sum())
+        if lost:
+            log.warning("%s: %d of %d weights below 0.5 lose low bits in w - 1 (export will differ there)",
+                        name, lost, w.numel())
+        return p
+
+    return merge
+
+
+def from_zero_centred(t: Tensor) -> list[Tensor]:
+    return [(t.float() + 1.0).to(t.dtype)]
+
+
 def gdn_entries(hf: dict[str, Any], i: int) -> list[Entry]:
     hf_a, mc_a = f"model.layers.{i}.linear_attn", f"decoder.layers.{i}.self_attention"
     merge, split = gdn_in_proj_merge(hf)
     out = [Entry(f"{mc_a}.in_proj.weight", (f"{hf_a}.in_proj_qkvz.weight", f"{hf_a}.in_proj_ba.weight"),
-                 i, merge, split)]
+                 i, merge, split),
+           Entry(f"{mc_a}.out_norm.weight", (f"{hf_a}.norm.weight",), i, to_zero_centred(f"{hf_a}.norm.weight"),
+                 from_zero_centred)]
     same = {"conv1d.weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
-            "out_norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}
+            "out_proj.weight": "out_proj.weight"}
     out += [Entry(f"{mc_a}.{mc}", (f"{hf_a}.{name}",), i) for mc, name in same.items()]
     return out
 
@@ -94,7 +116,7 @@ def gated_attention_entries(hf: dict[str, Any], i: int) -> list[Entry]:
 
 
 def shared_expert_entries(hf: dict[str, Any], i: int) -> list[Entry]:
-    if not (moe_layer(hf, i) and hf.get("shared_expert_intermediate_size")):
+    if not (moe_layer(hf, i) and hf["shared_expert_intermediate_size"]):
         return []
     hf_mlp, mc_mlp = f"model.layers.{i}.mlp", f"decoder.layers.{i}.mlp"
     return swiglu_entries(f"{hf_mlp}.shared_expert", f"{mc_mlp}.shared_experts", i) + [
@@ -111,4 +133,4 @@ def qwen3_next_adapter(hf: dict[str, Any]) -> WeightAdapter:
         entries.append(Entry(f"{mc_l}.pre_mlp_layernorm.weight", (f"{hf_l}.post_attention_layernorm.weight",), i))
         entries += mlp_entries(hf, i) + shared_expert_entries(hf, i)
     entries += global_entries(hf, last=True)
-    return WeightAdapter(hf, entries)
+    return WeightAdapter(hf, entries, ignored_hf_prefixes=(MTP_PREFIX,))

@@ -20,13 +20,12 @@ from typing import Any
 
 import torch
 
-from ..model_config import num_experts
-from ..weights.qwen3_next import ARCH, LINEAR, layer_types
-from . import cpu_compat
-from .providers import ModelRecipe, ParallelLayout, _common_config, _moe_config, _recipe, provider, \
+from ...megatron import cpu_compat
+from ...megatron.providers import ModelRecipe, ParallelLayout, _common_config, _moe_config, _recipe, provider, \
     use_transformer_engine
-
-cpu_compat.apply()
+from ...megatron.sections import TP_SECTIONS_ATTR
+from ...model_config import num_experts, rope_parameters
+from .layers import ARCH, LINEAR, layer_types
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402
@@ -43,10 +42,10 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 def partial_rotary_factor(hf: dict[str, Any]) -> float:
     """Fraction of each head's dims that RoPE rotates (0.25 for every released Qwen3-Next)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = rope_parameters(hf)
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise NotImplementedError(f"{ARCH}: rope type {rope.get('rope_type')!r} is not supported")
-    return float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25)))
+    return float(rope.get("partial_rotary_factor", hf["partial_rotary_factor"]))
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
@@ -58,19 +57,17 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Imported here: weights.sharding imports the actor, which imports the providers.
-        from ..weights.sharding import TP_SECTIONS_ATTR
-
         qk, v = self.qk_dim_local_tp, self.v_dim_local_tp
         setattr(self.in_proj.weight, TP_SECTIONS_ATTR, tuple(self.in_proj_split_sections))
         setattr(self.conv1d.weight, TP_SECTIONS_ATTR, (qk, qk, v))
 
 
 class GatedOutputNorm(cpu_compat.LocalRMSNorm):
-    """The RMSNorm inside GDN, before the SiLU(z) gate. HF's Qwen3NextRMSNormGated scales by w
-    (init 1), not by 1 + w as the model's other norms do, so this norm ignores
-    `layernorm_zero_centered_gamma`: its weight maps to HF unchanged, bit for bit. Pure torch, so
-    the TE spec uses it too (megatron's TE spec would build a zero-centred TENorm here).
+    """The RMSNorm inside GDN, before the SiLU(z) gate, zero-centred (x̂ · (1 + p)) like the model's
+    other norms and like Megatron's TE spec (TENorm with `layernorm_zero_centered_gamma`), so the
+    stored p is Megatron-Bridge's. HF's Qwen3NextRMSNormGated is plain-scale (x̂ · w, w init 1):
+    the weight map converts w = 1 + p at the HF boundary (weights.py). Pure torch, so
+    the TE spec uses it too (same parameter, same key).
 
     Its weight is shared by all value heads while each TP rank sees only its own heads, so the
     gradient is a sum over TP ranks: with sequence parallelism (which MoE + TP requires) the
@@ -78,8 +75,8 @@ class GatedOutputNorm(cpu_compat.LocalRMSNorm):
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__(hidden_size, eps, bool(config.sequence_parallel), zero_centered=False,
-                         dtype=config.params_dtype)
+        super().__init__(hidden_size, eps, bool(config.sequence_parallel),
+                         zero_centered=bool(config.layernorm_zero_centered_gamma), dtype=config.params_dtype)
 
 
 def _local_gdn_spec() -> ModuleSpec:
@@ -99,6 +96,7 @@ def _local_layer_specs(config: TransformerConfig, types: list[str]) -> list[Modu
     moe = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=True,
                                    normalization="RMSNorm")
     dense = get_gpt_layer_local_spec(num_experts=None, qk_layernorm=True, normalization="RMSNorm")
+    # moe_layer_freq is model_config.moe_layers (megatron's own builder refuses GDN configs).
     freq = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else [1] * config.num_layers
     gdn = _local_gdn_spec()
     specs = []
@@ -146,7 +144,7 @@ def block_spec(config: TransformerConfig, types: list[str], vp_stage: int | None
 
 
 def qwen3_next_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> TransformerConfig:
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
+    if hf["hidden_act"] != "silu" or hf["attention_bias"]:
         raise NotImplementedError(f"{ARCH}: only silu and bias-free attention are supported")
     types = layer_types(hf)
     fields = dict(
@@ -156,7 +154,7 @@ def qwen3_next_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.d
         attention_output_gate=True,
         experimental_attention_variant="gated_delta_net",
         linear_attention_freq=[int(t == LINEAR) for t in types],
-        linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4),
+        linear_conv_kernel_dim=hf["linear_conv_kernel_dim"],
         linear_key_head_dim=hf["linear_key_head_dim"],
         linear_value_head_dim=hf["linear_value_head_dim"],
         linear_num_key_heads=hf["linear_num_key_heads"],
@@ -167,7 +165,7 @@ def qwen3_next_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.d
     )
     if num_experts(hf):
         fields.update(_moe_config(hf, layout))
-        if hf.get("shared_expert_intermediate_size"):
+        if hf["shared_expert_intermediate_size"]:
             fields.update(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
                           moe_shared_expert_gate=True)   # sigmoid(x · w_gate) scales the shared expert
     return TransformerConfig(**fields)

@@ -1,0 +1,5 @@
+"""The tag by which a module names the sections of a fused parameter that megatron splits over TP
+separately (read by `weights/sharding.py`, set by providers, e.g. Gated DeltaNet's in_proj)."""
+
+TP_SECTIONS_ATTR = "tp_split_sections"
+"""Parameter attribute: this rank's section sizes along `partition_dim` (each section TP-split)."""

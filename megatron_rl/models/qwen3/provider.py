@@ -1,0 +1,40 @@
+"""Providers of Qwen3ForCausalLM (dense) and Qwen3MoeForCausalLM: the shared GPT configuration of
+`megatron/providers.py` with Megatron's GPT layer specs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...megatron.providers import (
+    ModelRecipe,
+    ParallelLayout,
+    _common_config,
+    _local_or_te_spec,
+    _moe_config,
+    _recipe,
+    provider,
+    use_transformer_engine,
+)
+from ...model_config import moe_layers, num_experts
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+
+@provider("Qwen3ForCausalLM")
+def qwen3_dense(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+    config = TransformerConfig(**_common_config(hf, layout, dtype))
+    return _recipe(hf, config, _local_or_te_spec(None))
+
+
+@provider("Qwen3MoeForCausalLM")
+def qwen3_moe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+    config = TransformerConfig(**_common_config(hf, layout, dtype), **_moe_config(hf, layout))
+    if all(moe_layers(hf)):
+        return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
+    # Dense layers too (mlp_only_layers, decoder_sparse_step): one spec per layer, from
+    # moe_layer_freq; a single layer spec would make megatron build every layer MoE.
+    return _recipe(hf, config, lambda vp_stage: get_gpt_decoder_block_spec(
+        config, use_transformer_engine(), normalization="RMSNorm", vp_stage=vp_stage))
