@@ -89,11 +89,10 @@ def _mtp_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor], layer
     """Qwen3-Next's MTP block: fc [h, 2h], three norms, and layers shaped like a full-attention layer."""
     if not layers:
         return {}
-    from ..model_config import with_hf_defaults
-    from ..models.qwen3_next.layers import FULL, layer_types
-
     h = config["hidden_size"]
-    template = f"model.layers.{layer_types(with_hf_defaults(config)).index(FULL)}."
+    # The first full-attention layer, read off the tensors (weights/ must not import a model folder).
+    first = min(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.") and ".self_attn.q_proj." in n)
+    template = f"model.layers.{first}."
     out = {"mtp.fc.weight": torch.randn(h, 2 * h, generator=g) * 0.05}
     out.update({f"mtp.{n}.weight": 1 + 0.1 * torch.randn(h, generator=g)
                 for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")})
