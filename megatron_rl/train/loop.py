@@ -13,7 +13,7 @@ from .batch import build_batch, kl_penalty, score_groups, set_advantages
 from .metrics_log import MetricsLog, console_line
 from .rollout_phase import generate_groups
 from .session import Session, Stop, timed
-from .setup import export_hf, init_process_group, make_run_dir, objective_config
+from .setup import export_hf, init_process_group, make_run_dir
 from .step_parts import minibatches, probe_batch, sft_batch, step_metrics
 
 
@@ -29,7 +29,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     seq_len = r.max_prompt_length + r.max_response_length
     pad = session.tokenizer.pad_token_id or 0
     probe = probe_batch(session, seq_len, pad)
-    objective = objective_config(cfg)
+    objective = cfg.algorithm                    # what the objectives read, as the recipe wrote it
     try:
         session.start_server()
         session.sync()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
-from ..megatron.actor import Actor, OptimSettings, init_parallel
+from ..megatron.actor import Actor, Training, init_parallel
 from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from ..megatron.providers import ParallelLayout, build_model_recipe
 from ..model_config import read_hf_config
@@ -69,11 +69,7 @@ class Session:
         updates = self.total_steps * a.steps_per_generation
         init_parallel(layout_of(cfg), t.seed)
         recipe = build_model_recipe(self.hf, layout_of(cfg), self.dtype)
-        optim = OptimSettings(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                              adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
-                              warmup_steps=int(t.lr_warmup_ratio * updates), total_steps=updates,
-                              decay_style=t.lr_decay_style)
-        self.actor = Actor(recipe, optim, t.micro_batch_size)
+        self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates))
         load_hf_into_model(self.actor.model, self.hf_dir)
         self.actor.optimizer.reload_model_params()
         self.reference = self._reference(recipe) if a.kl_beta > 0 else None
