@@ -156,6 +156,57 @@ def _batch(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return out
 
 
+@rule("chord-sft-split")
+def _chord_sft_split(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    n, dp = cfg.algorithm.chord.sft_batch_size, data_parallel_size(cfg)
+    if cfg.algorithm.name == "chord" and n % dp:
+        return [Finding("error", "chord-sft-split", "algorithm.chord.sft_batch_size",
+                        f"{n} expert rows per optimizer step do not split over the {dp} data-parallel "
+                        f"ranks; use a multiple of {dp}")]
+    return []
+
+
+def gpus_per_node(cfg: RecipeConfig) -> int:
+    """GPUs of one node as the job requests them (0 = a CPU job)."""
+    s = cfg.slurm.gpus_per_node
+    return cfg.parallelism.gpus_per_node if s is None else s
+
+
+@rule("rollout-fits-node")
+def _rollout_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    r, gpus = cfg.rollout, gpus_per_node(cfg)
+    need = r.tensor_parallel_size * r.data_parallel_size
+    if gpus and need > gpus:
+        return [Finding("error", "rollout-fits-node", "rollout.data_parallel_size",
+                        f"one vLLM server runs on one node (one per rollout node, no multi-node server), "
+                        f"but TP × DP = {r.tensor_parallel_size} × {r.data_parallel_size} = {need} > "
+                        f"{gpus} GPUs per node")]
+    return []
+
+
+@rule("memory-options")
+def _memory_options(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    p, out = cfg.parallelism, []
+    if p.optimizer_cpu_offload and not p.use_distributed_optimizer:
+        out.append(Finding("error", "memory-options", "parallelism.optimizer_cpu_offload",
+                           "megatron-core offloads the distributed optimizer's shards; set "
+                           "parallelism.use_distributed_optimizer: true"))
+    if p.optimizer_cpu_offload and cfg.model.params_dtype == "fp32":
+        out.append(Finding("error", "memory-options", "parallelism.optimizer_cpu_offload",
+                           "megatron-core offloads the fp32 master copy of bf16 weights; with "
+                           "model.params_dtype fp32 there is none (use bf16)"))
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        out.append(Finding("error", "memory-options", "parallelism.overlap_param_gather",
+                           "the parameter all-gather exists only with use_distributed_optimizer: true"))
+    if hf is not None and p.recompute_granularity == "full" and p.recompute_method == "block":
+        per_stage = int(hf.get("num_hidden_layers", 0)) // p.pipeline_model_parallel_size
+        if p.recompute_num_layers > per_stage:
+            out.append(Finding("error", "memory-options", "parallelism.recompute_num_layers",
+                               f"block recompute of {p.recompute_num_layers} layers, but a pipeline stage "
+                               f"has {per_stage}"))
+    return out
+
+
 @rule("rollout-placement")
 def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     r = cfg.rollout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import types
 import typing
@@ -242,8 +243,7 @@ def _check_implemented(f: dataclasses.Field, value: Any) -> str | None:
     reason = f.metadata.get("not_implemented")
     if reason is None or value == f.default:
         return None
-    allowed = "null" if f.default is None else repr(f.default)
-    return f"value {value!r} is not supported yet: {reason}; allowed: {allowed}"
+    return f"value {json.dumps(value)} is not supported yet: {reason}; allowed: {json.dumps(f.default)}"
 
 
 def _build(cls: type, data: dict[str, Any], path: tuple[str, ...], pos: Positions,

@@ -153,14 +153,18 @@ class Actor:
 
     @staticmethod
     def _attach_sft(batch: TrainBatch, mbs: list[TrainBatch], rank: int, dp: int) -> None:
+        """This DP rank's expert rows, spread over its micro-batches as evenly as they go (some may
+        carry none): the SFT term's denominators are global, so where a row is computed does not
+        change the loss. Pipelines exchange shapes per micro-batch (`variable_seq_lengths`)."""
         sft_rows = batch.sft_tokens.shape[0]
-        if sft_rows % (dp * len(mbs)):
-            raise ValueError(f"{sft_rows} SFT rows do not split over DP {dp} × {len(mbs)} micro-batches")
-        per_mb = sft_rows // (dp * len(mbs))
-        for i, mb in enumerate(mbs):
-            start = (rank * len(mbs) + i) * per_mb
-            mb.sft_tokens = batch.sft_tokens[start:start + per_mb]
-            mb.sft_mask = batch.sft_mask[start:start + per_mb]
+        if sft_rows % dp:
+            raise ValueError(f"{sft_rows} SFT rows do not split over DP {dp} (algorithm.chord.sft_batch_size "
+                             "must be a multiple of the data-parallel size)")
+        per_rank = sft_rows // dp
+        bounds = [rank * per_rank + per_rank * i // len(mbs) for i in range(len(mbs) + 1)]
+        for mb, start, end in zip(mbs, bounds, bounds[1:]):
+            mb.sft_tokens = batch.sft_tokens[start:end]
+            mb.sft_mask = batch.sft_mask[start:end]
 
     # ------------------------------------------------------------------ forward
     def _logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,8 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         # As Megatron-LM: free pipeline outputs once sent, and start backward in the C++ engine
         # (which also keeps cpu_compat's CUDA→CPU mode active while recompute re-runs forwards).
         deallocate_pipeline_outputs=True,
+        # CHORD micro-batches carry different numbers of expert rows: stages exchange shapes.
+        variable_seq_lengths=True,
         use_cpu_initialization=not torch.cuda.is_available(),
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,

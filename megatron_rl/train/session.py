@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, Training, init_parallel
 from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
-from ..megatron.providers import ParallelLayout, build_model_recipe
+from ..megatron.providers import build_model_recipe
 from ..model_config import read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
@@ -39,13 +39,6 @@ EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 
 class Stop(Exception):
     """The run must stop (reason in the message)."""
-
-
-def layout_of(cfg: RecipeConfig) -> ParallelLayout:
-    p = cfg.parallelism
-    return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                          p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.sequence_parallel,
-                          p.moe_token_dispatcher_type)
 
 
 class Session:
@@ -67,8 +60,8 @@ class Session:
         self.prompts_per_step = t.global_batch_size * a.steps_per_generation // cfg.rollout.n
         self.total_steps = t.max_steps or t.epochs * math.ceil(len(self.prompts.records) / self.prompts_per_step)
         updates = self.total_steps * a.steps_per_generation
-        init_parallel(layout_of(cfg), t.seed)
-        recipe = build_model_recipe(self.hf, layout_of(cfg), self.dtype)
+        init_parallel(cfg.parallelism, t.seed)
+        recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates))
         load_hf_into_model(self.actor.model, self.hf_dir)
         self.actor.optimizer.reload_model_params()
