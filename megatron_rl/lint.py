@@ -207,6 +207,18 @@ def _memory_options(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return out
 
 
+@rule("eval-needs-data")
+def _eval_data(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    e, d = cfg.evaluation, cfg.data
+    if e.interval and not d.eval_path:
+        return [Finding("error", "eval-needs-data", "data.eval_path",
+                        f"evaluation.interval is {e.interval} but data.eval_path is not set")]
+    if d.eval_path and not e.interval:
+        return [Finding("warning", "eval-needs-data", "evaluation.interval",
+                        "data.eval_path is set but evaluation.interval is 0: it is never evaluated")]
+    return []
+
+
 @rule("rollout-placement")
 def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     r = cfg.rollout

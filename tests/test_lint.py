@@ -85,6 +85,14 @@ def test_memory_options_megatron_core_cannot_build() -> None:
                                             "parallelism.overlap_param_gather=true")
 
 
+def test_evaluation_needs_eval_data() -> None:
+    (msg,) = findings("grpo.yaml", "data.eval_path=null")["eval-needs-data"]
+    assert msg == "error|data.eval_path|evaluation.interval is 10 but data.eval_path is not set"
+    (msg,) = findings("grpo.yaml", "evaluation.interval=0")["eval-needs-data"]
+    assert msg.startswith("warning|evaluation.interval|") and "never evaluated" in msg
+    assert "eval-needs-data" not in findings("grpo.yaml", "evaluation.interval=0", "data.eval_path=null")
+
+
 def test_chord_without_sft_data() -> None:
     (msg,) = findings("chord.yaml", "data.sft_path=null")["chord-needs-sft-data"]
     assert msg.startswith("error|data.sft_path|")

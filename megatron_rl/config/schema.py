@@ -227,13 +227,24 @@ class DataConfig:
     train_path: str | None = spec(None, path=True)
     """RL prompts (JSONL of the project's prompt schema)."""
     eval_path: str | None = spec(None, path=True)
-    """Held-out prompts for periodic evaluation."""
+    """Held-out prompts for periodic evaluation (see `evaluation`)."""
     sft_path: str | None = spec(None, path=True)
     """Expert demonstrations (SFT pairs JSONL) — required by CHORD."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by trainer.seed and the epoch)."""
     on_malformed: Literal["error", "skip"] = "error"
     """A malformed JSONL line stops the run (error) or is skipped and counted (skip)."""
+
+
+@dataclass
+class EvaluationConfig:
+    interval: int = spec(0, ge=0)
+    """Evaluate the policy on `data.eval_path` every N steps, right after the weight sync (0 = never)."""
+    max_prompts: int | None = spec(None, ge=1)
+    """Evaluate on the first N prompts of the eval set (None = all of them)."""
+    temperature: float = spec(0.0, ge=0.0)
+    """Sampling temperature of the evaluation's one sample per prompt (0 = greedy); with T > 0 the
+    rollout's top_p and top_k apply."""
 
 
 @dataclass
@@ -359,6 +370,8 @@ class RecipeConfig:
     """RL objective and its hyper-parameters."""
     data: DataConfig = spec(factory=DataConfig)
     """Datasets."""
+    evaluation: EvaluationConfig = spec(factory=EvaluationConfig)
+    """Periodic evaluation during training."""
     rewards: RewardsConfig = spec(factory=RewardsConfig)
     """Reward functions and weights."""
     trainer: TrainerConfig = spec(factory=TrainerConfig)

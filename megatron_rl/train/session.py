@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, Training, init_parallel
-from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, load_weights, prune_checkpoints, save_checkpoint
 from ..megatron.providers import build_model_recipe
-from ..model_config import read_hf_config
+from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
 from ..types import TrainBatch
@@ -47,7 +47,9 @@ class Session:
 
         self.cfg, self.run_dir = cfg, run_dir
         self.rank0 = dist.get_rank() == 0
-        self.hf_dir = _require(cfg.model.init_checkpoint, "model.init_checkpoint (an HF model directory)")
+        _require(cfg.model.init_checkpoint, "model.init_checkpoint (an HF directory or a Megatron dist-checkpoint)")
+        self.init = init_checkpoint(cfg.model)
+        self.hf_dir = self.init.hf_dir                       # HF config and tokenizer files
         self.hf = read_hf_config(self.hf_dir)
         self.adapter = adapter_for(self.hf)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or self.hf_dir)
@@ -63,8 +65,7 @@ class Session:
         init_parallel(cfg.parallelism, t.seed)
         recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates))
-        load_hf_into_model(self.actor.model, self.hf_dir)
-        self.actor.optimizer.reload_model_params()
+        _load_init(self.actor, self.init.path)
         self.reference = self._reference(recipe) if a.kl_beta > 0 else None
         self.sft = load_sft_tokens(cfg.data.sft_path, self.tokenizer, cfg.data.on_malformed) \
             if cfg.algorithm.name == "chord" else None
@@ -79,9 +80,9 @@ class Session:
         self.stop_signal: str | None = None
 
     def _reference(self, recipe: Any) -> Actor:
-        ref = Actor(recipe, None, self.cfg.trainer.micro_batch_size)
-        path = self.cfg.model.reference_path if self.cfg.model.reference == "path" else self.hf_dir
-        load_hf_into_model(ref.model, path)
+        ref = Actor(recipe, self.cfg.trainer.micro_batch_size, None)
+        path = self.cfg.model.reference_path if self.cfg.model.reference == "path" else self.init.path
+        _load_init(ref, path)
         return ref
 
     # ------------------------------------------------------------------ rollout server
@@ -102,7 +103,8 @@ class Session:
             print(f"[rollout] using {len(self.servers)} external server(s): "
                   + ", ".join(s.base_url for s in self.servers), flush=True)
         else:
-            server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length)
+            server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length,
+                                   extra_args=self.init.server_args)
             server.start()
             self.servers = [server]
         self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
@@ -193,6 +195,16 @@ class Session:
             transport.close()
         for server in self.servers:
             server.stop()                                    # a no-op for external servers
+
+
+def _load_init(actor: Actor, path: str) -> None:
+    """Starting weights from an HF directory or a Megatron dist-checkpoint (any layout)."""
+    if is_megatron_checkpoint(path):
+        load_weights(actor, path)
+        return
+    load_hf_into_model(actor.model, path)
+    if actor.trainable:
+        actor.optimizer.reload_model_params()   # fp32 master weights follow the loaded weights
 
 
 def _require(value: str | None, what: str) -> str:
