@@ -198,6 +198,10 @@ def _memory_options(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         out.append(Finding("error", "memory-options", "parallelism.overlap_param_gather",
                            "the parameter all-gather exists only with use_distributed_optimizer: true"))
+    if p.pipeline_model_parallel_size > 1 and p.moe_token_dispatcher_type == "allgather":
+        out.append(Finding("error", "memory-options", "parallelism.moe_token_dispatcher_type",
+                           "pipeline stages exchange micro-batches of different sizes (CHORD's expert rows), "
+                           "which megatron-core's allgather dispatcher refuses; use alltoall"))
     if hf is not None and p.recompute_granularity == "full" and p.recompute_method == "block":
         per_stage = int(hf.get("num_hidden_layers", 0)) // p.pipeline_model_parallel_size
         if p.recompute_num_layers > per_stage:

@@ -80,6 +80,9 @@ def test_memory_options_megatron_core_cannot_build() -> None:
     (msg,) = findings("grpo.yaml", "parallelism.recompute_granularity=full", "parallelism.recompute_method=block",
                       "parallelism.recompute_num_layers=3")["memory-options"]
     assert "block recompute of 3 layers, but a pipeline stage has 2" in msg
+    (msg,) = findings("grpo.yaml", "parallelism.gpus_per_node=2", "parallelism.pipeline_model_parallel_size=2",
+                      "parallelism.moe_token_dispatcher_type=allgather")["memory-options"]
+    assert msg.startswith("error|parallelism.moe_token_dispatcher_type|") and "use alltoall" in msg
     assert "memory-options" not in findings("grpo.yaml", "parallelism.recompute_granularity=full",
                                             "parallelism.overlap_grad_reduce=true",
                                             "parallelism.overlap_param_gather=true")

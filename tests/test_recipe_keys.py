@@ -150,3 +150,24 @@ def test_chord_expert_rows_split_over_dp_only(tiny_moe: Path, tmp_path: Path) ->
     r = json.loads(out.read_text())
     assert r["pp2"] == pytest.approx(r["dp2"], rel=1e-6)
     assert r["dp2"][0] != r["dp2"][1]
+
+
+# ------------------------------------------------------------------ names the schema accepts
+def _choices(cls: type, name: str) -> set[str]:
+    return set(typing.get_args(typing.get_type_hints(cls)[name]))
+
+
+def test_schema_names_are_exactly_the_registries() -> None:
+    """The schema lists the choices so that `recipe validate` can check them without importing torch
+    (the implementations are tensor code); the registries are the truth, and the lists must equal them."""
+    from megatron_rl.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, CorrectionConfig
+    from megatron_rl.objectives import CORRECTIONS, KL_ESTIMATORS, available_aggregations, available_objectives
+
+    assert _choices(AlgorithmConfig, "name") == set(available_objectives())
+    assert _choices(ChordConfig, "rl_objective") == set(available_objectives()) - {"chord"}
+    assert _choices(AlgorithmConfig, "loss_agg_mode") == set(available_aggregations())
+    assert _choices(ChordConfig, "sft_loss_agg_mode") == set(available_aggregations())
+    assert _choices(AlgorithmConfig, "kl_estimator") == set(KL_ESTIMATORS.names())
+    assert _choices(CorrectionConfig, "mode") == set(CORRECTIONS.names())
+    assert _choices(AlgorithmConfig, "advantage") == set(ADVANTAGE_ESTIMATORS.names())

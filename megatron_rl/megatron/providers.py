@@ -107,8 +107,10 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         # As Megatron-LM: free pipeline outputs once sent, and start backward in the C++ engine
         # (which also keeps cpu_compat's CUDA→CPU mode active while recompute re-runs forwards).
         deallocate_pipeline_outputs=True,
-        # CHORD micro-batches carry different numbers of expert rows: stages exchange shapes.
-        variable_seq_lengths=True,
+        # CHORD micro-batches carry different numbers of expert rows: pipeline stages exchange
+        # shapes. megatron-core refuses this with the allgather dispatcher (lint: memory-options).
+        variable_seq_lengths=layout.pipeline_model_parallel_size > 1,
+        moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
         use_cpu_initialization=not torch.cuda.is_available(),
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
@@ -147,7 +149,6 @@ def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
-        moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
     )
