@@ -74,7 +74,7 @@ def optimizer_config(t: TrainerConfig, p: ParallelismConfig, model: Any) -> Opti
     """AdamW from the recipe's trainer section; placement (sharding, host offload) from its
     parallelism section. `model` is the TransformerConfig (dtype)."""
     offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=p.optimizer_offload_fraction,
-                   # Megatron-LM requires both with offload: the host optimizer keeps fp32 masters.
+                   # megatron-core's offload recipe: the host Adam keeps the fp32 masters itself.
                    use_precision_aware_optimizer=True) if p.optimizer_cpu_offload else {}
     return OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
