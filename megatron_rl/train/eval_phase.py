@@ -2,7 +2,9 @@
 
 Rank 0 generates one sample per eval prompt on the rollout server (greedy unless
 `evaluation.temperature` > 0) with the weights just synced, scores it with the same reward
-functions and weights as training, and every rank gets the `eval/*` metrics.
+functions and weights as training — and prompts prepared from IgakuQA (`data prepare igakuqa`)
+also with the benchmark's own rule (`eval.scoring`: accepted answer sets, points, prohibited
+choices) — and every rank gets the `eval/*` metrics.
 """
 
 from __future__ import annotations
@@ -49,7 +51,40 @@ def eval_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         m[f"eval/reward/{name}_mean"] = mean([p[name] for p in parts])
     if parts and "mcq_answer" in parts[0]:
         m["eval/accuracy"] = m["eval/reward/mcq_answer_mean"]
+    m.update(igakuqa_metrics(groups))
     return m
+
+
+def _igakuqa_question(record: dict[str, Any]) -> Any:
+    """The scorer's question from a prompt record written by `data prepare igakuqa`."""
+    from ..data.igakuqa import IgakuQAQuestion, parse_problem_id
+
+    meta = record.get("metadata", {})
+    exam, block, number = parse_problem_id(record["id"]) or (0, "", 0)
+    return IgakuQAQuestion(problem_id=record["id"], exam=exam, block=block, number=number, problem_text="",
+                           choices=tuple(record["choices"]), answer=tuple(record["answer"]),
+                           alternatives=tuple(tuple(a) for a in record.get("alternatives", [])),
+                           points=int(meta.get("points", 1)), text_only=bool(meta.get("text_only", True)),
+                           kinki=tuple(meta.get("kinki", ())))
+
+
+def igakuqa_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    """The IgakuQA rule on the eval prompts that came from IgakuQA: accuracy, points earned / points
+    possible, and how often a prohibited choice (kinki) was selected."""
+    from ..eval.scoring import is_correct, selects_prohibited
+    from ..rewards.mcq import extract_answer
+
+    questions = [(_igakuqa_question(g.record), extract_answer(g.samples[0].text))
+                 for g in groups if g.record.get("source") == "igakuqa"]
+    if not questions:
+        return {}
+    correct = [is_correct(q, answer) for q, answer in questions]
+    possible = sum(q.points for q, _ in questions)
+    earned = sum(q.points for (q, _), ok in zip(questions, correct) if ok)
+    return {"eval/igakuqa/questions": float(len(questions)),
+            "eval/igakuqa/accuracy": sum(correct) / len(questions),
+            "eval/igakuqa/score": earned / possible if possible else math.nan,
+            "eval/igakuqa/prohibited_rate": sum(selects_prohibited(q, a) for q, a in questions) / len(questions)}
 
 
 def evaluate(session: Any, eval_set: Prompts) -> dict[str, float]:
