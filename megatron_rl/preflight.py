@@ -48,10 +48,14 @@ def data_findings(cfg: RecipeConfig) -> list[Finding]:
         return [_error("data", "data", str(exc))]
     if not d.train_path:
         return [_error("data", "data.train_path", "the trainer needs RL prompts; set data.train_path")]
-    tokenizer_dir = cfg.model.tokenizer or cfg.model.init_checkpoint
-    if tokenizer_dir is None:
-        return [_error("data", "model.tokenizer", "no tokenizer (model.tokenizer or model.init_checkpoint)")]
     from transformers import AutoTokenizer
+
+    from .model_config import ModelConfigError, init_checkpoint
+
+    try:
+        tokenizer_dir = cfg.model.tokenizer or init_checkpoint(cfg.model).hf_dir   # the trainer's choice
+    except ModelConfigError as exc:
+        return [_error("data", "model.init_checkpoint", str(exc))]
 
     lengths = _prompt_lengths(train, AutoTokenizer.from_pretrained(tokenizer_dir))
     kept = sum(n <= r.max_prompt_length for n in lengths)
