@@ -292,7 +292,7 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
     hf = read_hf_config(str(model_dir))
     adapter = adapter_for(hf)
     init_parallel(ParallelLayout(), seed=1)
-    actor = Actor(build_model_recipe(hf, ParallelLayout(), torch.float32), None, 1)
+    actor = Actor(build_model_recipe(hf, ParallelLayout(), torch.float32), 1, None)
     load_hf_into_model(actor.model, str(model_dir))
     params = [p.detach() for p in unwrap(actor.model).parameters()]
     server = None

@@ -78,20 +78,23 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-    from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()
+    from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig
+    from megatron_rl.megatron.actor import Actor, Training, init_parallel
     from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe
-    from megatron_rl.objectives import ObjectiveConfig
 
     seq_len = args.max_prompt + args.max_response
     budget = args.micro_batch_size * seq_len
     init_parallel(ParallelLayout(), seed=1)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    actor = Actor(build_model_recipe(dict(MODEL), ParallelLayout(), dtype), OptimSettings(lr=1e-5, total_steps=100),
-                  micro_batch_size=args.micro_batch_size,
+    actor = Actor(build_model_recipe(dict(MODEL), ParallelLayout(), dtype), args.micro_batch_size,
+                  Training(TrainerConfig(lr=1e-5), ParallelLayout(), total_updates=100),
                   max_tokens_per_microbatch=budget if variant == "budget" else None)
     batch = make_batch(length_mix(args.rows, args.max_prompt, args.max_response, budget, args.seed), seq_len,
                        MODEL["vocab_size"], args.seed)
-    cfg = ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.28)
+    cfg = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

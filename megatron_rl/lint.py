@@ -187,6 +187,61 @@ def _token_budget(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return out
 
 
+@rule("chord-sft-split")
+def _chord_sft_split(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    n, dp = cfg.algorithm.chord.sft_batch_size, data_parallel_size(cfg)
+    if cfg.algorithm.name == "chord" and n % dp:
+        return [Finding("error", "chord-sft-split", "algorithm.chord.sft_batch_size",
+                        f"{n} expert rows per optimizer step do not split over the {dp} data-parallel "
+                        f"ranks; use a multiple of {dp}")]
+    return []
+
+
+def gpus_per_node(cfg: RecipeConfig) -> int:
+    """GPUs of one node as the job requests them (0 = a CPU job)."""
+    s = cfg.slurm.gpus_per_node
+    return cfg.parallelism.gpus_per_node if s is None else s
+
+
+@rule("memory-options")
+def _memory_options(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    p, out = cfg.parallelism, []
+    if p.optimizer_cpu_offload and not p.use_distributed_optimizer:
+        out.append(Finding("error", "memory-options", "parallelism.optimizer_cpu_offload",
+                           "megatron-core offloads the distributed optimizer's shards; set "
+                           "parallelism.use_distributed_optimizer: true"))
+    if p.optimizer_cpu_offload and cfg.model.params_dtype == "fp32":
+        out.append(Finding("error", "memory-options", "parallelism.optimizer_cpu_offload",
+                           "megatron-core offloads the fp32 master copy of bf16 weights; with "
+                           "model.params_dtype fp32 there is none (use bf16)"))
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        out.append(Finding("error", "memory-options", "parallelism.overlap_param_gather",
+                           "the parameter all-gather exists only with use_distributed_optimizer: true"))
+    if p.pipeline_model_parallel_size > 1 and p.moe_token_dispatcher_type == "allgather":
+        out.append(Finding("error", "memory-options", "parallelism.moe_token_dispatcher_type",
+                           "pipeline stages exchange micro-batches of different sizes (CHORD's expert rows), "
+                           "which megatron-core's allgather dispatcher refuses; use alltoall"))
+    if hf is not None and p.recompute_granularity == "full" and p.recompute_method == "block":
+        per_stage = int(hf.get("num_hidden_layers", 0)) // p.pipeline_model_parallel_size
+        if p.recompute_num_layers > per_stage:
+            out.append(Finding("error", "memory-options", "parallelism.recompute_num_layers",
+                               f"block recompute of {p.recompute_num_layers} layers, but a pipeline stage "
+                               f"has {per_stage}"))
+    return out
+
+
+@rule("eval-needs-data")
+def _eval_data(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    e, d = cfg.evaluation, cfg.data
+    if e.interval and not d.eval_path:
+        return [Finding("error", "eval-needs-data", "data.eval_path",
+                        f"evaluation.interval is {e.interval} but data.eval_path is not set")]
+    if d.eval_path and not e.interval:
+        return [Finding("warning", "eval-needs-data", "evaluation.interval",
+                        "data.eval_path is set but evaluation.interval is 0: it is never evaluated")]
+    return []
+
+
 @rule("rollout-placement")
 def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     r = cfg.rollout
@@ -202,15 +257,15 @@ def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 @rule("rollout-server-fits-a-node")
 def _server_per_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     # vLLM is started once per node (the sbatch script's rollout step, or the trainer's rank 0):
-    # nothing launches one server across nodes.
-    r, gpus = cfg.rollout, cfg.parallelism.gpus_per_node
+    # nothing launches one server across nodes. A CPU job (no GPUs) has nothing to count.
+    r, gpus = cfg.rollout, gpus_per_node(cfg)
     size = r.tensor_parallel_size * r.data_parallel_size
-    if size > gpus:
+    if gpus and size > gpus:
         return [Finding("error", "rollout-server-fits-a-node", "rollout.data_parallel_size",
                         f"one vLLM server of TP {r.tensor_parallel_size} × DP {r.data_parallel_size} = {size} "
-                        f"GPUs does not fit a node of {gpus} (parallelism.gpus_per_node); servers run one per "
-                        "node, so TP × DP must be <= gpus_per_node")]
-    if r.placement == "disaggregated" and size < gpus:
+                        f"GPUs does not fit a node of {gpus} GPUs; servers run one per node (no multi-node "
+                        "server), so TP × DP must be <= the GPUs per node")]
+    if gpus and r.placement == "disaggregated" and size < gpus:
         return [Finding("warning", "rollout-server-fits-a-node", "rollout.data_parallel_size",
                         f"each rollout node starts one server of TP × DP = {size} GPUs; {gpus - size} of its "
                         f"{gpus} GPUs stay idle (make TP × DP = parallelism.gpus_per_node)")]

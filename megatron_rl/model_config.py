@@ -8,6 +8,7 @@ later, the Megatron model providers. A recipe names the architecture either by `
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +142,46 @@ def moe_layers(hf: dict[str, Any]) -> list[bool]:
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = {int(i) for i in hf.get("mlp_only_layers") or []}
     return [(i + 1) % step == 0 and i not in dense for i in range(int(hf["num_hidden_layers"]))]
+
+
+MEGATRON_COMPLETE = "complete.json"      # = megatron.checkpoint.COMPLETE (not imported: that pulls megatron)
+CONVERTED_HF_SUBDIR = "hf"               # = weights.convert_worker.HF_SUBDIR: config + tokenizer of a conversion
+
+
+@dataclass(frozen=True)
+class InitCheckpoint:
+    """Where the policy's starting weights come from: an HF directory or a Megatron dist-checkpoint
+    (e.g. the output of `megatron-rl convert hf-to-mcore`, saved at any parallel layout)."""
+
+    path: str
+    megatron: bool
+    hf_dir: str
+    """The HF config and tokenizer files: the HF checkpoint itself, a converted dist-checkpoint's
+    `hf/` directory, or (for other dist-checkpoints) the directory of `model.hf_config`."""
+
+    @property
+    def server_args(self) -> list[str]:
+        """vLLM cannot read a dist-checkpoint: it starts from random weights of the right shapes,
+        and the trainer syncs its own before the first rollout (and after every restart)."""
+        return ["--load-format", "dummy"] if self.megatron else []
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / MEGATRON_COMPLETE).is_file()
+
+
+def init_checkpoint(model: ModelConfig, path: str | None = None) -> InitCheckpoint:
+    """`path` (default: `model.init_checkpoint`) as an HF directory or a Megatron dist-checkpoint."""
+    path = path or model.init_checkpoint
+    if not path:
+        raise ModelConfigError("model.init_checkpoint is not set (an HF directory or a Megatron dist-checkpoint)")
+    if not is_megatron_checkpoint(path):
+        return InitCheckpoint(path, False, path)
+    side = Path(path) / CONVERTED_HF_SUBDIR
+    if (side / "config.json").is_file():
+        return InitCheckpoint(path, True, str(side))
+    if model.hf_config:
+        hf = Path(model.hf_config)
+        return InitCheckpoint(path, True, str(hf if hf.is_dir() else hf.parent))
+    raise ModelConfigError(f"{path}: a Megatron dist-checkpoint without {CONVERTED_HF_SUBDIR}/config.json "
+                           "(not written by `convert hf-to-mcore`); set model.hf_config and model.tokenizer")

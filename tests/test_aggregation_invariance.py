@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import replace
 
 import pytest
 import torch
@@ -19,10 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, CorrectionConfig
 from megatron_rl.objectives import (
     GlobalDenominators,
     LossInputs,
-    ObjectiveConfig,
     aggregate,
     all_reduce_denominators,
     all_reduce_metrics,
@@ -39,11 +38,11 @@ MAX_LEN = 12
 # Row boundaries of the splits: 7 rollout rows, 5 expert rows.
 SPLITS = {1: ([7], [5]), 2: ([2, 5], [4, 1]), 3: ([1, 4, 2], [2, 0, 3])}
 CASES = [
-    ("grpo", {"correction_mode": "tis_token"}),
-    ("gspo", {"correction_mode": "mask_seq"}),
-    ("gspo_token", {"correction_mode": "tis_seq"}),
-    ("chord", {"rl_objective": "grpo", "correction_mode": "mask_token", "chord_phi": True}),
-    ("chord", {"rl_objective": "gspo", "sft_loss_agg_mode": "seq-mean-token-sum"}),
+    ("grpo", {"correction": "tis_token"}),
+    ("gspo", {"correction": "mask_seq"}),
+    ("gspo_token", {"correction": "tis_seq"}),
+    ("chord", {"correction": "mask_token", "chord": {"rl_objective": "grpo", "phi": True}}),
+    ("chord", {"chord": {"rl_objective": "gspo", "sft_loss_agg_mode": "seq-mean-token-sum"}}),
 ]
 
 
@@ -79,7 +78,7 @@ def boundaries(sizes: list[int]) -> list[slice]:
     return [slice(s, s + n) for s, n in zip(starts, sizes)]
 
 
-def run_split(name: str, cfg: ObjectiveConfig, d: dict[str, Tensor], k: int) -> tuple[Tensor, list[Tensor], dict]:
+def run_split(name: str, cfg: AlgorithmConfig, d: dict[str, Tensor], k: int) -> tuple[Tensor, list[Tensor], dict]:
     sizes, sft_sizes = SPLITS[k]
     parts = list(zip(boundaries(sizes), boundaries(sft_sizes)))
     denoms = denominators_from_masks([d["mask"][r] for r, _ in parts], MAX_LEN)
@@ -96,10 +95,10 @@ def run_split(name: str, cfg: ObjectiveConfig, d: dict[str, Tensor], k: int) -> 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("name", "extra"), CASES, ids=lambda x: str(x))
 def test_micro_batch_sum_equals_big_batch(name: str, extra: dict, mode: str) -> None:
-    cfg = replace(
-        ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.3, dual_clip_c=2.5, kl_beta=0.05, kl_clamp=5.0,
-                        entropy_coef=0.02, correction_threshold=1.5, mu_warmup_steps=2, mu_decay_steps=5),
-        loss_agg_mode=mode, **extra,
+    cfg = AlgorithmConfig(
+        clip_eps_low=0.2, clip_eps_high=0.3, dual_clip_c=2.5, kl_beta=0.05, kl_clamp=5.0, entropy_coef=0.02,
+        loss_agg_mode=mode, correction=CorrectionConfig(mode=extra.get("correction", "none"), threshold=1.5),
+        chord=ChordConfig(mu_warmup_steps=2, mu_decay_steps=5, **extra.get("chord", {})),
     )
     d = make_batch(seed=MODES.index(mode))
     big_loss, big_grads, big_stats = run_split(name, cfg, d, 1)

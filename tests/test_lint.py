@@ -52,6 +52,51 @@ def test_kl_without_reference() -> None:
     assert "reference_path" in msg
 
 
+def test_chord_expert_rows_must_split_over_dp() -> None:
+    dp4 = ("parallelism.gpus_per_node=4", "trainer.global_batch_size=64")
+    (msg,) = findings("chord.yaml", *dp4, "algorithm.chord.sft_batch_size=6")["chord-sft-split"]
+    assert msg == ("error|algorithm.chord.sft_batch_size|6 expert rows per optimizer step do not split over "
+                   "the 4 data-parallel ranks; use a multiple of 4")
+    assert "chord-sft-split" not in findings("chord.yaml", *dp4, "algorithm.chord.sft_batch_size=4")
+    assert "chord-sft-split" not in findings("grpo.yaml", *dp4, "algorithm.chord.sft_batch_size=6")
+
+
+def test_rollout_server_must_fit_one_node() -> None:
+    gpu_job = "slurm.gpus_per_node=null"                 # = parallelism.gpus_per_node (1 in the tiny recipes)
+    rule = "rollout-server-fits-a-node"
+    (msg,) = findings("grpo.yaml", gpu_job, "rollout.tensor_parallel_size=2")[rule]
+    assert msg.startswith("error|rollout.data_parallel_size|") and "TP 2 × DP 1 = 2 GPUs does not fit a node of 1" in msg
+    assert rule not in findings("grpo.yaml", gpu_job, "rollout.tensor_parallel_size=2",
+                                "parallelism.gpus_per_node=2", "trainer.global_batch_size=256")
+    # A CPU job (slurm.gpus_per_node 0, as the tiny recipes set) has no GPUs to count.
+    assert rule not in findings("grpo.yaml", "rollout.tensor_parallel_size=2")
+
+
+def test_memory_options_megatron_core_cannot_build() -> None:
+    got = findings("grpo.yaml", "parallelism.optimizer_cpu_offload=true", "parallelism.use_distributed_optimizer=false",
+                   "parallelism.overlap_param_gather=true")["memory-options"]
+    assert [m.split("|")[1] for m in got] == ["parallelism.optimizer_cpu_offload"] * 2 + \
+        ["parallelism.overlap_param_gather"]
+    assert "fp32" in got[1]                                   # the tiny recipes train in fp32
+    (msg,) = findings("grpo.yaml", "parallelism.recompute_granularity=full", "parallelism.recompute_method=block",
+                      "parallelism.recompute_num_layers=3")["memory-options"]
+    assert "block recompute of 3 layers, but a pipeline stage has 2" in msg
+    (msg,) = findings("grpo.yaml", "parallelism.gpus_per_node=2", "parallelism.pipeline_model_parallel_size=2",
+                      "parallelism.moe_token_dispatcher_type=allgather")["memory-options"]
+    assert msg.startswith("error|parallelism.moe_token_dispatcher_type|") and "use alltoall" in msg
+    assert "memory-options" not in findings("grpo.yaml", "parallelism.recompute_granularity=full",
+                                            "parallelism.overlap_grad_reduce=true",
+                                            "parallelism.overlap_param_gather=true")
+
+
+def test_evaluation_needs_eval_data() -> None:
+    (msg,) = findings("grpo.yaml", "data.eval_path=null")["eval-needs-data"]
+    assert msg == "error|data.eval_path|evaluation.interval is 10 but data.eval_path is not set"
+    (msg,) = findings("grpo.yaml", "evaluation.interval=0")["eval-needs-data"]
+    assert msg.startswith("warning|evaluation.interval|") and "never evaluated" in msg
+    assert "eval-needs-data" not in findings("grpo.yaml", "evaluation.interval=0", "data.eval_path=null")
+
+
 def test_chord_without_sft_data() -> None:
     (msg,) = findings("chord.yaml", "data.sft_path=null")["chord-needs-sft-data"]
     assert msg.startswith("error|data.sft_path|")
@@ -102,12 +147,14 @@ def test_rollout_placement() -> None:
 
 def test_a_rollout_server_must_fit_one_node() -> None:
     rule = "rollout-server-fits-a-node"
-    got = findings("grpo.yaml", "rollout.tensor_parallel_size=2")          # 2 GPUs, nodes of 1
+    gpu_job = "slurm.gpus_per_node=null"                 # = parallelism.gpus_per_node (1 in the tiny recipes)
+    got = findings("grpo.yaml", gpu_job, "rollout.tensor_parallel_size=2")          # 2 GPUs, nodes of 1
     assert [m.split("|")[:2] for m in got[rule]] == [["error", "rollout.data_parallel_size"]]
     assert "2 GPUs does not fit a node of 1" in got[rule][0]
-    spare = findings("grpo.yaml", "parallelism.gpus_per_node=2", "rollout.placement=disaggregated", "rollout.nodes=1")
+    spare = findings("grpo.yaml", gpu_job, "parallelism.gpus_per_node=2", "rollout.placement=disaggregated",
+                     "rollout.nodes=1")
     assert [m.split("|")[0] for m in spare[rule]] == ["warning"]            # 1 of 2 GPUs idle
-    assert rule not in findings("grpo.yaml", "parallelism.gpus_per_node=2")  # colocated: the rest trains
+    assert rule not in findings("grpo.yaml", gpu_job, "parallelism.gpus_per_node=2")  # colocated: the rest trains
 
 
 def test_unknown_reward_name_lists_known_ones() -> None:

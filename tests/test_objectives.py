@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ from torch import Tensor
 from megatron_rl.objectives import (
     GlobalDenominators,
     LossInputs,
-    ObjectiveConfig,
     available_aggregations,
     available_objectives,
     get_objective,
@@ -26,6 +26,8 @@ from megatron_rl.objectives import (
     phi_weights,
     reduce_metrics,
 )
+from megatron_rl.config import load_recipe
+from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, CorrectionConfig
 from megatron_rl.objectives.common import KL_ESTIMATORS, kl_estimate
 
 TOL = 1e-10
@@ -62,11 +64,11 @@ def ref_kl(delta: Tensor, estimator: str, clamp: float | None) -> Tensor:
     return value
 
 
-def ref_correction(d: dict, cfg: ObjectiveConfig, b: int, valid: list[int]) -> list[float]:
+def ref_correction(d: dict, cfg: AlgorithmConfig, b: int, valid: list[int]) -> list[float]:
     """Per-token weights of sequence b for the valid positions."""
     deltas = [float(d["old"][b, t] - d["rollout"][b, t]) for t in valid]
-    mode, cap, thr = cfg.correction_mode, cfg.correction_cap, cfg.correction_threshold
-    seq = sum(deltas) / (len(deltas) if cfg.correction_seq_mean else 1) if deltas else 0.0
+    mode, cap, thr = cfg.correction.mode, cfg.correction.cap, cfg.correction.threshold
+    seq = sum(deltas) / (len(deltas) if cfg.correction.seq_mean else 1) if deltas else 0.0
     if mode == "none":
         return [1.0] * len(valid)
     if mode == "tis_token":
@@ -78,7 +80,7 @@ def ref_correction(d: dict, cfg: ObjectiveConfig, b: int, valid: list[int]) -> l
     return [1.0 if 1 / thr <= math.exp(seq) <= thr else 0.0] * len(valid)
 
 
-def ref_pg_tokens(name: str, d: dict, cfg: ObjectiveConfig, b: int, valid: list[int]) -> list[Tensor]:
+def ref_pg_tokens(name: str, d: dict, cfg: AlgorithmConfig, b: int, valid: list[int]) -> list[Tensor]:
     lp, old = d["logp"], d["old"]
     lo, hi, c = 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high, cfg.dual_clip_c
     adv = d["adv"]
@@ -107,7 +109,7 @@ def ref_aggregate(per_seq_tokens: list[list[Tensor]], mode: str, n_tok: float, n
     return total
 
 
-def ref_rl_loss(name: str, d: dict, cfg: ObjectiveConfig) -> Tensor:
+def ref_rl_loss(name: str, d: dict, cfg: AlgorithmConfig) -> Tensor:
     mask = d["mask"]
     n_tok = sum(1.0 for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t] > 0)
     n_seq = sum(1.0 for b in range(mask.shape[0]) if any(mask[b, t] > 0 for t in range(mask.shape[1])))
@@ -135,7 +137,7 @@ def ref_mu(step: int, peak: float, valley: float, warm: int, decay: int) -> floa
     return valley + (peak - valley) * (1 + math.cos(math.pi * (step - warm) / decay)) / 2
 
 
-def ref_sft(d: dict, cfg: ObjectiveConfig) -> Tensor:
+def ref_sft(d: dict, cfg: AlgorithmConfig) -> Tensor:
     lp, mask = d["sft_logp"], d["sft_mask"]
     n_tok = float((mask > 0).sum())
     n_seq = float((mask > 0).any(dim=1).sum())
@@ -145,16 +147,17 @@ def ref_sft(d: dict, cfg: ObjectiveConfig) -> Tensor:
         for t in range(lp.shape[1]):
             if mask[b, t] > 0:
                 p = math.exp(v(lp[b, t]))
-                tokens.append(-(p * (1 - p) if cfg.chord_phi else 1.0) * lp[b, t])
+                tokens.append(-(p * (1 - p) if cfg.chord.phi else 1.0) * lp[b, t])
         per_seq.append(tokens)
-    return ref_aggregate(per_seq, cfg.sft_loss_agg_mode, n_tok, n_seq)
+    return ref_aggregate(per_seq, cfg.chord.sft_loss_agg_mode, n_tok, n_seq)
 
 
-def ref_loss(name: str, d: dict, cfg: ObjectiveConfig, step: int) -> Tensor:
+def ref_loss(name: str, d: dict, cfg: AlgorithmConfig, step: int) -> Tensor:
     if name != "chord":
         return ref_rl_loss(name, d, cfg)
-    mu = ref_mu(step, cfg.mu_peak, cfg.mu_valley, cfg.mu_warmup_steps, cfg.mu_decay_steps)
-    return (1 - mu) * ref_rl_loss(cfg.rl_objective, d, cfg) + mu * ref_sft(d, cfg)
+    c = cfg.chord
+    mu = ref_mu(step, c.mu_peak, c.mu_valley, c.mu_warmup_steps, c.mu_decay_steps)
+    return (1 - mu) * ref_rl_loss(c.rl_objective, d, cfg) + mu * ref_sft(d, cfg)
 
 
 # ------------------------------------------------------------------ fixtures
@@ -203,11 +206,13 @@ def denoms_of(mask: Tensor) -> GlobalDenominators:
     return GlobalDenominators(float((mask > 0).sum()), float((mask > 0).any(dim=1).sum()), MAX_LEN)
 
 
-def base_config(**overrides: object) -> ObjectiveConfig:
-    cfg = ObjectiveConfig(
+def base_config(correction: str = "none", chord: dict | None = None, **overrides: object) -> AlgorithmConfig:
+    """The recipe's own AlgorithmConfig; kl_clamp 1e6 leaves the KL unclamped (its own test clamps)."""
+    cfg = AlgorithmConfig(
         clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, kl_beta=0.1, kl_estimator="k3",
-        kl_clamp=None, entropy_coef=0.01, correction_cap=1.5, correction_threshold=1.6,
-        mu_peak=0.8, mu_valley=0.1, mu_warmup_steps=4, mu_decay_steps=10, chord_phi=True,
+        kl_clamp=1e6, entropy_coef=0.01, correction=CorrectionConfig(mode=correction, cap=1.5, threshold=1.6),
+        chord=ChordConfig(**{"mu_peak": 0.8, "mu_valley": 0.1, "mu_warmup_steps": 4, "mu_decay_steps": 10,
+                             "phi": True, **(chord or {})}),
     )
     return replace(cfg, **overrides)
 
@@ -222,8 +227,8 @@ OBJECTIVE_CASES = [
     ("grpo", {}),
     ("gspo", {}),
     ("gspo_token", {}),
-    ("chord", {"rl_objective": "grpo"}),
-    ("chord", {"rl_objective": "gspo", "chord_phi": False, "sft_loss_agg_mode": "seq-mean-token-mean"}),
+    ("chord", {"chord": {"rl_objective": "grpo"}}),
+    ("chord", {"chord": {"rl_objective": "gspo", "phi": False, "sft_loss_agg_mode": "seq-mean-token-mean"}}),
 ]
 
 
@@ -239,7 +244,7 @@ def case_seed(mode: str, correction: str) -> int:
 @pytest.mark.parametrize(("name", "extra"), OBJECTIVE_CASES, ids=lambda x: str(x))
 def test_value_and_gradient_match_reference(name: str, extra: dict, mode: str, correction: str) -> None:
     d = make_data(seed=case_seed(mode, correction))
-    cfg = base_config(loss_agg_mode=mode, correction_mode=correction, **extra)
+    cfg = base_config(correction, loss_agg_mode=mode, **extra)
     step = 7
     denoms = denoms_of(d["mask"])
     out = get_objective(name)(inputs_of(d), cfg, denoms, step=step, sft_denoms=denoms_of(d["sft_mask"]))
@@ -255,7 +260,7 @@ def test_reference_fixtures_hit_every_branch(mode: str) -> None:
     """Guard on the fixtures: each exercises low, high and dual clips and the corrections."""
     for correction in CORRECTIONS:
         d = make_data(seed=case_seed(mode, correction))
-        out = get_objective("grpo")(inputs_of(d), base_config(correction_mode=correction), denoms_of(d["mask"]))
+        out = get_objective("grpo")(inputs_of(d), base_config(correction), denoms_of(d["mask"]))
         counts = {k: float(out.metrics[f"token/{k}_count"]) for k in ("clip_low", "clip_high", "dual_clip")}
         assert all(c > 0 for c in counts.values()), (correction, counts)
         weights = out.metrics.get("token/is_weight_min"), out.metrics.get("token/is_weight_max")
@@ -267,7 +272,7 @@ def test_reference_fixtures_hit_every_branch(mode: str) -> None:
 @pytest.mark.parametrize("correction", ["none", "tis_seq"])
 def test_gspo_token_equals_gspo_with_constant_advantage(mode: str, correction: str) -> None:
     d = make_data(seed=11, per_token_adv=False)
-    cfg = base_config(loss_agg_mode=mode, correction_mode=correction, clip_eps_low=3e-1, clip_eps_high=4e-1)
+    cfg = base_config(correction, loss_agg_mode=mode, clip_eps_low=3e-1, clip_eps_high=4e-1)
     denoms = denoms_of(d["mask"])
     seq = get_objective("gspo")(inputs_of(d, adv=d["adv_seq"]), cfg, denoms)
     tok = get_objective("gspo_token")(inputs_of(d, adv=d["adv"]), cfg, denoms)
@@ -288,7 +293,7 @@ def test_gspo_worked_example_geometric_mean() -> None:
     expected = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     assert expected == pytest.approx(1.19, abs=0.01)
     inp = _single_sequence(ratios, adv=1.0)
-    cfg = ObjectiveConfig(clip_eps_low=0.5, clip_eps_high=0.5, loss_agg_mode="seq-mean-token-mean")
+    cfg = AlgorithmConfig(clip_eps_low=0.5, clip_eps_high=0.5, loss_agg_mode="seq-mean-token-mean")
     out = get_objective("gspo")(inp, cfg, GlobalDenominators(5, 1, 5))
     assert float(out.metrics["seq/ratio_sum"]) == pytest.approx(expected, abs=1e-12)
     assert v(out.loss) == pytest.approx(-expected, abs=1e-12)  # unclipped: −A·s
@@ -296,7 +301,7 @@ def test_gspo_worked_example_geometric_mean() -> None:
 
 @pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo"])
 def test_small_epsilon_clips_ratio_1001_to_zero_gradient(name: str) -> None:
-    cfg = ObjectiveConfig(clip_eps_low=3e-4, clip_eps_high=3e-4)
+    cfg = AlgorithmConfig(clip_eps_low=3e-4, clip_eps_high=3e-4)
     inp = _single_sequence([1.001] * 4, adv=1.0)
     out = get_objective(name)(inp, cfg, GlobalDenominators(4, 1, 4))
     (g,) = torch.autograd.grad(out.loss, inp.logprobs)
@@ -316,7 +321,7 @@ def test_asymmetric_clip_fractions() -> None:
     adv = torch.tensor([[-1.0, 1.0, 1.0, 1.0, -1.0]], dtype=torch.float64)
     old = torch.zeros_like(ratios) - 1
     logp = (old + ratios.log()).requires_grad_()
-    cfg = ObjectiveConfig(clip_eps_low=0.1, clip_eps_high=0.3)
+    cfg = AlgorithmConfig(clip_eps_low=0.1, clip_eps_high=0.3)
     out = get_objective("grpo")(LossInputs(logp, old, adv, torch.ones_like(old)), cfg, GlobalDenominators(5, 1, 5))
     stats = reduce_metrics([out.metrics])
     assert stats["token/clip_low_count"] == 1 and stats["token/clip_high_count"] == 1
@@ -333,7 +338,7 @@ def test_dual_clip_bounds_negative_advantage_loss() -> None:
 
     def run(c: float | None) -> tuple[Tensor, Tensor, dict[str, float]]:
         logp = (old + ratios.log()).requires_grad_()
-        cfg = ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=c, loss_agg_mode="seq-mean-token-sum")
+        cfg = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=c, loss_agg_mode="seq-mean-token-sum")
         out = get_objective("grpo")(LossInputs(logp, old, adv, torch.ones_like(old)), cfg, denoms)
         return out.loss, torch.autograd.grad(out.loss, logp)[0], reduce_metrics([out.metrics])
 
@@ -419,7 +424,7 @@ def test_tis_caps_weights_and_detaches_them() -> None:
     old = d["old"].clone().requires_grad_()
     rollout = d["rollout"].clone().requires_grad_()
     inp = replace(inputs_of(d), old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=None, entropy=None)
-    cfg = ObjectiveConfig(correction_mode="tis_token", correction_cap=1.2)
+    cfg = AlgorithmConfig(correction=CorrectionConfig(mode="tis_token", cap=1.2))
     out = get_objective("grpo")(inp, cfg, denoms_of(d["mask"]))
     stats = reduce_metrics([out.metrics])
     assert stats["token/is_weight_max"] == pytest.approx(1.2)
@@ -435,7 +440,7 @@ def test_tis_caps_weights_and_detaches_them() -> None:
 def test_masking_removes_tokens(mode: str) -> None:
     d = make_data(seed=8)
     inp = replace(inputs_of(d), ref_logprobs=None, entropy=None)
-    cfg = ObjectiveConfig(correction_mode=mode, correction_threshold=1.3)
+    cfg = AlgorithmConfig(correction=CorrectionConfig(mode=mode, threshold=1.3))
     out = get_objective("grpo")(inp, cfg, denoms_of(d["mask"]))
     (g,) = torch.autograd.grad(out.loss, d["logp"])
     delta = d["old"] - d["rollout"]
@@ -479,7 +484,7 @@ def test_registry_errors_list_allowed_names() -> None:
     with pytest.raises(ValueError, match=", ".join(KL_ESTIMATORS.names())):
         get_objective("grpo")(inputs_of(d), base_config(kl_estimator="k4"), denoms)
     with pytest.raises(ValueError, match="mask_seq, mask_token, none, tis_seq, tis_token"):
-        get_objective("grpo")(inputs_of(d), base_config(correction_mode="is"), denoms)
+        get_objective("grpo")(inputs_of(d), base_config("is"), denoms)
 
 
 def test_missing_inputs_and_bad_config_are_rejected() -> None:
@@ -488,10 +493,10 @@ def test_missing_inputs_and_bad_config_are_rejected() -> None:
     with pytest.raises(ValueError, match="ref_logprobs"):
         get_objective("grpo")(replace(inputs_of(d), ref_logprobs=None), base_config(), denoms)
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        get_objective("grpo")(replace(inputs_of(d), rollout_logprobs=None), base_config(correction_mode="tis_token"), denoms)
+        get_objective("grpo")(replace(inputs_of(d), rollout_logprobs=None), base_config("tis_token"), denoms)
     with pytest.raises(ValueError, match="sft"):
         get_objective("chord")(inputs_of(d), base_config(), denoms)
     with pytest.raises(ValueError, match="itself"):
-        get_objective("chord")(inputs_of(d), base_config(rl_objective="chord"), denoms, sft_denoms=denoms)
-    with pytest.raises(ValueError, match="dual_clip_c"):
-        ObjectiveConfig(dual_clip_c=0.5)
+        get_objective("chord")(inputs_of(d), base_config(chord={"rl_objective": "chord"}), denoms, sft_denoms=denoms)
+    with pytest.raises(ValueError, match="dual_clip_c"):           # the recipe loader checks ranges
+        load_recipe(Path(__file__).parents[1] / "recipes/tiny/grpo.yaml", ["algorithm.dual_clip_c=0.5"])

@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..config.schema import RecipeConfig
+    from ..model_config import ModelConfigError, init_checkpoint
     from ..rollout.server import RolloutServer, ServerError
     from .train import load_checked
 
@@ -35,7 +36,13 @@ def run(args: argparse.Namespace) -> int:
         print("error: give a recipe with model.init_checkpoint, or --model DIR", file=sys.stderr)
         return 1
     r = cfg.rollout
-    server = RolloutServer(model, Path(args.run_dir), r, r.max_prompt_length + r.max_response_length)
+    try:
+        init = init_checkpoint(cfg.model, model)           # an HF directory or a dist-checkpoint
+    except ModelConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    server = RolloutServer(init.hf_dir, Path(args.run_dir), r, r.max_prompt_length + r.max_response_length,
+                           extra_args=init.server_args)
     try:
         server.start()
         print(f"rollout server at {server.base_url}; token in {server.rollout_dir / 'token'}; Ctrl-C stops it")

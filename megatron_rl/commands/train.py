@@ -1,4 +1,5 @@
-"""`megatron-rl train RECIPE [key.path=value ...] [--resume]`."""
+"""`megatron-rl train RECIPE [key.path=value ...] [--resume]` and its preflight
+`megatron-rl train --dry-run RECIPE [--no-check-paths] [--gpu-memory-gb M]`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6 rollout.n=16")
     p.add_argument("--resume", action="store_true",
                    help="continue the run dir (logging.output_dir/logging.run_name) from its latest checkpoint")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the recipe without the model and exit: lint rules (batch and SFT splits over "
+                        "DP, rollout TP×DP per node, memory options), data files and prompt lengths, the "
+                        "planner's fit")
+    p.add_argument("--no-check-paths", action="store_true",
+                   help="with --dry-run: skip the checks that need the recipe's files (cluster paths)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                   help="with --dry-run: memory of one GPU for the fit check (default 80)")
     p.set_defaults(func=run)
 
 
@@ -36,7 +45,32 @@ def load_checked(path: str, overrides: list[str]):  # noqa: ANN201  (RecipeConfi
     return cfg
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    from ..config import ConfigError, load_recipe
+    from ..preflight import preflight
+
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+    except ConfigError as exc:
+        print(f"error: invalid recipe {args.recipe}", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    findings = preflight(cfg, check_paths=not args.no_check_paths, gpu_memory_gb=args.gpu_memory_gb)
+    errors = [f for f in findings if f.level == "error"]
+    for finding in findings:
+        print(f"  {finding}", file=sys.stderr if finding.level == "error" else sys.stdout)
+    verdict = "preflight failed" if errors else "preflight passed"
+    print(f"{args.recipe}: {verdict} ({len(errors)} errors, {len(findings) - len(errors)} warnings)")
+    return 1 if errors else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return dry_run(args)
+    if args.no_check_paths:
+        print("error: --no-check-paths only applies to --dry-run (training needs the files)", file=sys.stderr)
+        return 1
     cfg = load_checked(args.recipe, args.overrides)
     if cfg is None:
         return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import types
 import typing
@@ -238,6 +239,13 @@ def _check_range(f: dataclasses.Field, value: Any) -> str | None:
     return None
 
 
+def _check_implemented(f: dataclasses.Field, value: Any) -> str | None:
+    reason = f.metadata.get("not_implemented")
+    if reason is None or value == f.default:
+        return None
+    return f"value {json.dumps(value)} is not supported yet: {reason}; allowed: {json.dumps(f.default)}"
+
+
 def _build(cls: type, data: dict[str, Any], path: tuple[str, ...], pos: Positions,
            problems: list[Problem]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -256,7 +264,7 @@ def _build(cls: type, data: dict[str, Any], path: tuple[str, ...], pos: Position
             continue
         if fields[key].metadata.get("path") and isinstance(converted, str):
             converted = _absolute_path(converted, pos.get(sub, ""))
-        message = _check_range(fields[key], converted)
+        message = _check_range(fields[key], converted) or _check_implemented(fields[key], converted)
         if message:
             problems.append(Problem(_where(pos, sub), ".".join(sub), message))
             continue

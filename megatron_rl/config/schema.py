@@ -13,17 +13,21 @@ from typing import Any, Literal
 
 def spec(default: Any = None, *, ge: float | None = None, gt: float | None = None,
          le: float | None = None, lt: float | None = None, factory: Any = None,
-         path: bool = False) -> Any:
+         path: bool = False, not_implemented: str | None = None) -> Any:
     """A dataclass field with an optional numeric range checked by the loader.
 
     `path=True` marks a file-system path: a relative path in a recipe file is taken relative to
     that file's directory (like `defaults:`), one in a command-line override relative to the
     working directory; the loader stores it absolute.
+    `not_implemented="why"` marks a documented feature the trainer has no code path for yet: the
+    loader refuses any value but the default (with the reason), so it can never be silently ignored.
     """
     meta: dict[str, Any] = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt))
                             if v is not None}
     if path:
         meta["path"] = True
+    if not_implemented:
+        meta["not_implemented"] = not_implemented
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -57,9 +61,12 @@ class ParallelismConfig:
     """Megatron TP degree for dense layers and attention."""
     pipeline_model_parallel_size: int = spec(1, ge=1)
     """Megatron PP degree."""
-    virtual_pipeline_model_parallel_size: int | None = spec(None, ge=1)
+    virtual_pipeline_model_parallel_size: int | None = spec(
+        None, ge=1, not_implemented="the actor, checkpoints and weight sync build one model chunk per "
+        "pipeline rank, no interleaved schedule")
     """Interleaved pipeline chunks per rank; None = no interleaving."""
-    context_parallel_size: int = spec(1, ge=1)
+    context_parallel_size: int = spec(
+        1, ge=1, not_implemented="the trainer does not split sequences across ranks")
     """Megatron CP degree (sequence split across ranks for long contexts)."""
     expert_model_parallel_size: int = spec(1, ge=1)
     """Megatron EP degree: experts are distributed over this many ranks."""
@@ -70,13 +77,21 @@ class ParallelismConfig:
     recompute_granularity: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: Megatron's --recompute-granularity."""
     recompute_method: Literal["uniform", "block"] = "uniform"
-    """Megatron's --recompute-method when granularity is 'full'."""
+    """Megatron's --recompute-method when granularity is 'full' (ignored by 'selective')."""
     recompute_num_layers: int = spec(1, ge=1)
-    """Layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
+    """Layers per recompute chunk (uniform) or recomputed layers per stage (block); 'full' only."""
     use_distributed_optimizer: bool = True
     """Shard optimizer states over data-parallel ranks (Megatron's DistributedOptimizer)."""
     optimizer_cpu_offload: bool = False
-    """Keep optimizer states and fp32 master weights in host memory."""
+    """Keep optimizer states and fp32 master weights in host memory and step Adam on the CPU
+    (megatron-core's HybridDeviceOptimizer)."""
+    optimizer_offload_fraction: float = spec(1.0, ge=0.0, le=1.0)
+    """Share of the optimizer states offloaded when `optimizer_cpu_offload` (1.0 = all)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduce-scatter/all-reduce with the backward pass."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward pass (needs
+    `use_distributed_optimizer`)."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     """Megatron MoE token dispatcher."""
 
@@ -154,6 +169,9 @@ class ChordConfig:
     """Objective used for CHORD's RL part."""
     sft_batch_size: int = spec(8, ge=1)
     """Expert (SFT) sequences per optimizer step."""
+    sft_loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                               "seq-mean-token-sum-norm"] = "token-mean"
+    """How the expert tokens' NLL is aggregated (against the SFT stream's global denominators)."""
 
 
 @dataclass
@@ -164,6 +182,9 @@ class CorrectionConfig:
     """Truncation cap C of the importance weight π_old/π_rollout (tis_*)."""
     threshold: float = spec(2.0, ge=1.0)
     """Ratios outside [1/threshold, threshold] are masked (mask_*)."""
+    seq_mean: bool = False
+    """Sequence modes (*_seq): the sequence ratio is the product of the token ratios (False, the
+    exact π_old(y)/π_rollout(y)) or their geometric mean (True; does not grow with length)."""
 
 
 @dataclass
@@ -206,13 +227,24 @@ class DataConfig:
     train_path: str | None = spec(None, path=True)
     """RL prompts (JSONL of the project's prompt schema)."""
     eval_path: str | None = spec(None, path=True)
-    """Held-out prompts for periodic evaluation."""
+    """Held-out prompts for periodic evaluation (see `evaluation`)."""
     sft_path: str | None = spec(None, path=True)
     """Expert demonstrations (SFT pairs JSONL) — required by CHORD."""
     shuffle: bool = True
     """Shuffle prompts each epoch (seeded by trainer.seed and the epoch)."""
     on_malformed: Literal["error", "skip"] = "error"
     """A malformed JSONL line stops the run (error) or is skipped and counted (skip)."""
+
+
+@dataclass
+class EvaluationConfig:
+    interval: int = spec(0, ge=0)
+    """Evaluate the policy on `data.eval_path` every N steps, right after the weight sync (0 = never)."""
+    max_prompts: int | None = spec(None, ge=1)
+    """Evaluate on the first N prompts of the eval set (None = all of them)."""
+    temperature: float = spec(0.0, ge=0.0)
+    """Sampling temperature of the evaluation's one sample per prompt (0 = greedy); with T > 0 the
+    rollout's top_p and top_k apply."""
 
 
 @dataclass
@@ -272,7 +304,7 @@ class CheckpointConfig:
     """Checkpoints kept; older ones are deleted after a newer one is complete."""
     export_hf: bool = True
     """Write a Hugging Face export of the final weights into the run dir."""
-    async_save: bool = False
+    async_save: bool = spec(False, not_implemented="checkpoints are written synchronously")
     """Write checkpoints in the background (Megatron async dist-checkpointing)."""
 
 
@@ -356,6 +388,8 @@ class RecipeConfig:
     """RL objective and its hyper-parameters."""
     data: DataConfig = spec(factory=DataConfig)
     """Datasets."""
+    evaluation: EvaluationConfig = spec(factory=EvaluationConfig)
+    """Periodic evaluation during training."""
     rewards: RewardsConfig = spec(factory=RewardsConfig)
     """Reward functions and weights."""
     trainer: TrainerConfig = spec(factory=TrainerConfig)

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig
 from ..logprobs import vocab_parallel_logprobs
 from ..objectives import (
     LossInputs,
-    ObjectiveConfig,
     all_reduce_metrics,
     combine_metrics,
     denominators_from_masks,
@@ -41,20 +40,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 
-@dataclass
-class OptimSettings:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    total_steps: int = 1
-    decay_style: str = "constant"
-
-
 def init_parallel(layout: ParallelLayout, seed: int) -> None:
     """torch.distributed (gloo on CPU, NCCL on GPU) + Megatron's parallel groups, re-entrant."""
     if not dist.is_initialized():
@@ -70,6 +55,36 @@ def init_parallel(layout: ParallelLayout, seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+class Training(NamedTuple):
+    """What a trainable actor is built from: the recipe's own sections, no copies."""
+
+    trainer: TrainerConfig
+    parallelism: ParallelismConfig
+    total_updates: int
+    """Optimizer steps of the whole run (the LR schedule's length)."""
+
+
+def ddp_config(p: ParallelismConfig) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=p.use_distributed_optimizer,
+        overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
+    )
+
+
+def optimizer_config(t: TrainerConfig, p: ParallelismConfig, model: Any) -> OptimizerConfig:
+    """AdamW from the recipe's trainer section; placement (sharding, host offload) from its
+    parallelism section. `model` is the TransformerConfig (dtype)."""
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=p.optimizer_offload_fraction,
+                   # megatron-core's offload recipe: the host Adam keeps the fp32 masters itself.
+                   use_precision_aware_optimizer=True) if p.optimizer_cpu_offload else {}
+    return OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad, bf16=model.bf16, params_dtype=model.params_dtype,
+        use_distributed_optimizer=p.use_distributed_optimizer, **offload,
+    )
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside DDP (and any other `.module` wrappers)."""
     while hasattr(model, "module"):
@@ -82,45 +97,49 @@ def _finalize_without_token_scaling(model: list[torch.nn.Module], num_tokens: An
 
 
 class Actor:
-    """One rank's share of the policy (or, with `trainable=False`, of a frozen reference)."""
+    """One rank's share of the policy (or, without `training`, of a frozen reference)."""
 
-    def __init__(self, recipe: ModelRecipe, optim: OptimSettings | None, micro_batch_size: int,
+    def __init__(self, recipe: ModelRecipe, micro_batch_size: int, training: Training | None,
                  max_tokens_per_microbatch: int | None = None) -> None:
+        """`training` None builds a frozen reference (no DDP, no optimizer)."""
         self.recipe = recipe
         self.config = recipe.config
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         """Token budget of a micro-batch (see `microbatch.py`); None = `micro_batch_size` padded rows."""
+        self.training = training
         model = build_gpt_model(recipe)
-        self.trainable = optim is not None
-        if self.trainable:
-            ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=True)
-            model = DistributedDataParallel(config=self.config, ddp_config=ddp, module=model)
+        self.trainable = training is not None
+        if training is not None:
+            p = training.parallelism
+            model = DistributedDataParallel(config=self.config, ddp_config=ddp_config(p), module=model)
             self.config.finalize_model_grads_func = _finalize_without_token_scaling
-            self.optimizer = get_megatron_optimizer(self._optimizer_config(optim), [model])
-            self.scheduler = self._scheduler(optim)
+            if p.overlap_grad_reduce:
+                # Reduce only after the last micro-batch's backward (Megatron-LM's wiring).
+                self.config.no_sync_func = model.no_sync
+            self.optimizer = get_megatron_optimizer(optimizer_config(training.trainer, p, self.config), [model])
+            self.scheduler = self._scheduler(training.trainer, training.total_updates)
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
         self.model = model
         self.step = 0
 
-    def _optimizer_config(self, o: OptimSettings) -> OptimizerConfig:
-        return OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad, bf16=self.config.bf16, params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=True,
+    def _scheduler(self, t: TrainerConfig, total_updates: int) -> OptimizerParamScheduler:
+        warmup = int(t.lr_warmup_ratio * total_updates)
+        total = max(total_updates, warmup + 1)
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=total, lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total, wd_incr_style="constant",
         )
 
-    def _scheduler(self, o: OptimSettings) -> OptimizerParamScheduler:
-        total = max(o.total_steps, o.warmup_steps + 1)
-        return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_steps, lr_decay_steps=total, lr_decay_style=o.decay_style,
-            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=total, wd_incr_style="constant",
-        )
+    def _finish_param_gather(self) -> None:
+        """With `overlap_param_gather` the optimizer step leaves the updated shards un-gathered
+        until the next forward; weight sync and checkpoints read the parameters directly, so
+        gather them now (what Megatron-LM does before saving)."""
+        if self.training is not None and self.training.parallelism.overlap_param_gather:
+            self.model.start_param_sync(force_sync=True)
 
     # ------------------------------------------------------------------ data split
     def _local_microbatches(self, batch: TrainBatch) -> list[TrainBatch]:
@@ -155,14 +174,18 @@ class Actor:
 
     @staticmethod
     def _attach_sft(batch: TrainBatch, mbs: list[TrainBatch], rank: int, dp: int) -> None:
+        """This DP rank's expert rows, spread over its micro-batches as evenly as they go (some may
+        carry none): the SFT term's denominators are global, so where a row is computed does not
+        change the loss. Pipelines exchange shapes per micro-batch (`variable_seq_lengths`)."""
         sft_rows = batch.sft_tokens.shape[0]
-        if sft_rows % (dp * len(mbs)):
-            raise ValueError(f"{sft_rows} SFT rows do not split over DP {dp} × {len(mbs)} micro-batches")
-        per_mb = sft_rows // (dp * len(mbs))
-        for i, mb in enumerate(mbs):
-            start = (rank * len(mbs) + i) * per_mb
-            mb.sft_tokens = batch.sft_tokens[start:start + per_mb]
-            mb.sft_mask = batch.sft_mask[start:start + per_mb]
+        if sft_rows % dp:
+            raise ValueError(f"{sft_rows} SFT rows do not split over DP {dp} (algorithm.chord.sft_batch_size "
+                             "must be a multiple of the data-parallel size)")
+        per_rank = sft_rows // dp
+        bounds = [rank * per_rank + per_rank * i // len(mbs) for i in range(len(mbs) + 1)]
+        for mb, start, end in zip(mbs, bounds, bounds[1:]):
+            mb.sft_tokens = batch.sft_tokens[start:end]
+            mb.sft_mask = batch.sft_mask[start:end]
 
     # ------------------------------------------------------------------ forward
     def _logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -185,10 +208,10 @@ class Actor:
     def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool) -> list[Any]:
         seq_len = max(self._tokens_of(mb).shape[1] for mb in mbs)
         budget = self.max_tokens_per_microbatch is not None
-        # Budget micro-batches differ in rows and width. Under PP, megatron-core then sends each
-        # activation's shape ahead of it (one 3-int message per p2p), so every micro-batch is
-        # computed exactly as on its own; padding them to one shape would spend the savings.
-        self.config.variable_seq_lengths = budget and ps.get_pipeline_model_parallel_world_size() > 1
+        # Budget micro-batches differ in rows and width. Under PP, megatron-core sends each
+        # activation's shape ahead of it (`variable_seq_lengths`, set by the provider for PP > 1),
+        # so every micro-batch is computed exactly as on its own; padding them to one shape would
+        # spend the savings.
 
         def forward_step(data_iterator: Iterator[TrainBatch], model: torch.nn.Module) -> tuple[Any, Any]:
             mb = next(data_iterator)
@@ -262,7 +285,7 @@ class Actor:
         return torch.cat(parts, dim=0)
 
     # ------------------------------------------------------------------ train
-    def train_step(self, batch: TrainBatch, cfg: ObjectiveConfig, objective: str, temperature: float,
+    def train_step(self, batch: TrainBatch, cfg: AlgorithmConfig, objective: str, temperature: float,
                    rl_step: int) -> dict[str, float]:
         """One optimizer step on `batch` (all rows of this step, identical on every rank)."""
         self.model.train()
@@ -301,6 +324,7 @@ class Actor:
             ok, grad_norm, _ = self.optimizer.step()
             if ok:
                 self.scheduler.step(increment=1)
+        self._finish_param_gather()
         self.step += 1
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])

@@ -190,3 +190,15 @@ def prune_checkpoints(root: str | Path, keep_last: int) -> None:
                       key=lambda p: int(p.name.split("_")[1]))
     for old in complete[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def load_weights(actor: Actor, directory: str | Path) -> None:
+    """Collective. Only the weights of a complete dist-checkpoint (saved at any layout), as a run's
+    starting point: step, scheduler, optimizer state and RNG stay those of the fresh actor."""
+    path = Path(directory)
+    if not (path / COMPLETE).is_file():
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {COMPLETE})")
+    state = _merge_in_place(_sharded_state(actor, is_loading=True, with_optimizer=False))
+    unwrap(actor.model).load_state_dict(dist_checkpointing.load(state, str(path))["model"])
+    if actor.trainable:
+        actor.optimizer.reload_model_params()   # fp32 master weights follow the loaded weights

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config.schema import ParallelismConfig
 from ..model_config import head_dim, moe_layers, num_experts, rope_theta, with_hf_defaults
 from . import cpu_compat
 
@@ -28,16 +29,9 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """The Megatron parallel sizes a model is built for (names as in Megatron-LM)."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    sequence_parallel: bool = False
-    moe_token_dispatcher_type: str = "alltoall"
+# The recipe's own parallelism section is the layout a model is built for (no second copy of its
+# fields or defaults); the name stays for the call sites that only build models.
+ParallelLayout = ParallelismConfig
 
 
 def use_transformer_engine() -> bool:
@@ -114,13 +108,32 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         pipeline_dtype=dtype,
         # Our losses are already divided by global denominators: Megatron must only sum.
         calculate_per_token_loss=True,
+        # As Megatron-LM: free pipeline outputs once sent, and start backward in the C++ engine
+        # (which also keeps cpu_compat's CUDA→CPU mode active while recompute re-runs forwards).
+        deallocate_pipeline_outputs=True,
+        # CHORD micro-batches carry different numbers of expert rows: pipeline stages exchange
+        # shapes. megatron-core refuses this with the allgather dispatcher (lint: memory-options).
+        variable_seq_lengths=layout.pipeline_model_parallel_size > 1,
+        moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
         use_cpu_initialization=not torch.cuda.is_available(),
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_parallel_size or layout.tensor_model_parallel_size,
         sequence_parallel=layout.sequence_parallel,
+        **recompute_config(layout),
     )
+
+
+def recompute_config(layout: ParallelLayout) -> dict[str, Any]:
+    """Megatron's activation-recompute fields: method and layer count exist only for 'full'."""
+    granularity = layout.recompute_granularity
+    if granularity == "none":
+        return dict(recompute_granularity=None)
+    if granularity == "selective":
+        return dict(recompute_granularity="selective")
+    return dict(recompute_granularity="full", recompute_method=layout.recompute_method,
+                recompute_num_layers=layout.recompute_num_layers)
 
 
 def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
@@ -137,7 +150,6 @@ def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
-        moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
     )

@@ -31,7 +31,7 @@ from megatron_rl.objectives.registry import (
     get_objective,
     register_objective,
 )
-from megatron_rl.objectives.types import LossInputs, LossOutput, ObjectiveConfig
+from megatron_rl.objectives.types import LossInputs, LossOutput
 
 __all__ = [
     "CORRECTIONS",
@@ -39,7 +39,6 @@ __all__ = [
     "KL_ESTIMATORS",
     "LossInputs",
     "LossOutput",
-    "ObjectiveConfig",
     "aggregate",
     "aggregation_weights",
     "all_reduce_denominators",

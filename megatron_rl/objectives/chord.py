@@ -1,9 +1,9 @@
 """CHORD: on-policy RL blended with SFT on expert demonstrations.
 
 loss = (1 − μ_t)·L_RL + μ_t·L_SFT, where L_RL is any registered objective
-(``cfg.rl_objective``) on the rollout stream and L_SFT is the negative
+(``cfg.chord.rl_objective``) on the rollout stream and L_SFT is the negative
 log-likelihood of the expert tokens (their own mask and global denominators,
-aggregated with ``cfg.sft_loss_agg_mode``). With ``chord_phi`` each expert token's
+aggregated with ``cfg.chord.sft_loss_agg_mode``). With ``chord.phi`` each expert token's
 NLL is weighted by φ_t = p_t(1 − p_t) (p_t = exp(log-prob of the expert token),
 stop-gradient), which down-weights tokens the policy already knows (p → 1) and
 tokens far from it (p → 0), peaking at p = 0.5.
@@ -18,7 +18,8 @@ from torch import Tensor
 from megatron_rl.objectives.aggregation import GlobalDenominators, aggregation_weights
 from megatron_rl.objectives.common import Metrics, masked_stats, masked_sum, unit_counts
 from megatron_rl.objectives.registry import get_objective, register_objective
-from megatron_rl.objectives.types import LossInputs, LossOutput, ObjectiveConfig
+from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.objectives.types import LossInputs, LossOutput
 
 
 def optimizer_step(rollout_step: int, steps_per_generation: int, minibatch: int) -> int:
@@ -68,20 +69,21 @@ def sft_loss(
 @register_objective("chord")
 def chord(
     inputs: LossInputs,
-    cfg: ObjectiveConfig,
+    cfg: AlgorithmConfig,
     denoms: GlobalDenominators,
     *,
     step: int = 0,
     sft_denoms: GlobalDenominators | None = None,
 ) -> LossOutput:
-    if cfg.rl_objective == "chord":
+    c = cfg.chord
+    if c.rl_objective == "chord":
         raise ValueError("chord's rl_objective cannot be chord itself")
     if inputs.sft_logprobs is None or inputs.sft_mask is None or sft_denoms is None:
         raise ValueError("chord needs sft_logprobs, sft_mask and sft_denoms")
-    mu = mu_schedule(step, cfg.mu_peak, cfg.mu_valley, cfg.mu_warmup_steps, cfg.mu_decay_steps)
-    rl = get_objective(cfg.rl_objective)(inputs, cfg, denoms, step=step)
+    mu = mu_schedule(step, c.mu_peak, c.mu_valley, c.mu_warmup_steps, c.mu_decay_steps)
+    rl = get_objective(c.rl_objective)(inputs, cfg, denoms, step=step)
     sft, sft_metrics = sft_loss(
-        inputs.sft_logprobs, inputs.sft_mask, sft_denoms, cfg.sft_loss_agg_mode, cfg.chord_phi
+        inputs.sft_logprobs, inputs.sft_mask, sft_denoms, c.sft_loss_agg_mode, c.phi
     )
     loss = (1.0 - mu) * rl.loss + mu * sft
     metrics = dict(rl.metrics)

@@ -21,9 +21,13 @@ from torch import Tensor
 
 from megatron_rl.objectives.aggregation import GlobalDenominators, aggregation_weights
 from megatron_rl.objectives.registry import Registry
-from megatron_rl.objectives.types import LossInputs, ObjectiveConfig
+from megatron_rl.config.schema import AlgorithmConfig, CorrectionConfig
+from megatron_rl.objectives.types import LossInputs
 
 Metrics = dict[str, Tensor]
+
+LOG_RATIO_CLAMP = 20.0
+"""Every log-ratio is clamped to ±this before ``exp`` (overflow guard, not a hyper-parameter)."""
 
 
 # ----------------------------------------------------------------------------- masks
@@ -193,63 +197,63 @@ def kl_estimate(
 # * mask_seq:   w_i = 1 if exp(Δ_i) ∈ [1/θ, θ] else 0
 #
 # Δ_i = Σ_t δ_t by default: the exact sequence-level importance ratio
-# π_old(y)/π_rollout(y). With ``correction_seq_mean`` it is mean_t δ_t (geometric
+# π_old(y)/π_rollout(y). With ``correction.seq_mean`` it is mean_t δ_t (geometric
 # mean, GSPO-style), which does not grow with length and suits masking long outputs.
 # Masked tokens keep counting in the global denominators (weight 0, like a TIS
 # weight), so the caller's denominators stay independent of the correction.
 # Only the policy-gradient term is weighted; the KL and entropy terms are not.
 
-CorrectionFn = Callable[[Tensor, Tensor, ObjectiveConfig], tuple[Tensor | None, Metrics]]
+CorrectionFn = Callable[[Tensor, Tensor, CorrectionConfig], tuple[Tensor | None, Metrics]]
 CORRECTIONS: Registry[CorrectionFn] = Registry("mismatch correction mode")
 
 
-def _seq_delta(delta: Tensor, mask: Tensor, cfg: ObjectiveConfig) -> Tensor:
-    per_seq = sequence_log_ratio(delta, mask, cfg.correction_seq_mean)
+def _seq_delta(delta: Tensor, mask: Tensor, c: CorrectionConfig) -> Tensor:
+    per_seq = sequence_log_ratio(delta, mask, c.seq_mean)
     return per_seq.unsqueeze(-1).expand(delta.shape)
 
 
 @CORRECTIONS.register("none")
-def _no_correction(delta: Tensor, mask: Tensor, cfg: ObjectiveConfig) -> tuple[None, Metrics]:
+def _no_correction(delta: Tensor, mask: Tensor, c: CorrectionConfig) -> tuple[None, Metrics]:
     return None, {}
 
 
 @CORRECTIONS.register("tis_token")
-def _tis_token(delta: Tensor, mask: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, Metrics]:
-    raw = clamped_exp(delta, cfg.log_ratio_clamp)
-    truncated = (raw > cfg.correction_cap) & bool_mask(mask)
-    return raw.clamp(max=cfg.correction_cap), {"token/tis_truncated_count": count(truncated)}
+def _tis_token(delta: Tensor, mask: Tensor, c: CorrectionConfig) -> tuple[Tensor, Metrics]:
+    raw = clamped_exp(delta, LOG_RATIO_CLAMP)
+    truncated = (raw > c.cap) & bool_mask(mask)
+    return raw.clamp(max=c.cap), {"token/tis_truncated_count": count(truncated)}
 
 
 @CORRECTIONS.register("tis_seq")
-def _tis_seq(delta: Tensor, mask: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, Metrics]:
-    raw = clamped_exp(_seq_delta(delta, mask, cfg), cfg.log_ratio_clamp)
-    truncated = (raw[:, 0] > cfg.correction_cap) & bool_mask(mask).any(dim=-1)
-    return raw.clamp(max=cfg.correction_cap), {"seq/tis_truncated_count": count(truncated)}
+def _tis_seq(delta: Tensor, mask: Tensor, c: CorrectionConfig) -> tuple[Tensor, Metrics]:
+    raw = clamped_exp(_seq_delta(delta, mask, c), LOG_RATIO_CLAMP)
+    truncated = (raw[:, 0] > c.cap) & bool_mask(mask).any(dim=-1)
+    return raw.clamp(max=c.cap), {"seq/tis_truncated_count": count(truncated)}
 
 
 @CORRECTIONS.register("mask_token")
-def _mask_token(delta: Tensor, mask: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, Metrics]:
-    keep = delta.abs() <= math.log(cfg.correction_threshold)
+def _mask_token(delta: Tensor, mask: Tensor, c: CorrectionConfig) -> tuple[Tensor, Metrics]:
+    keep = delta.abs() <= math.log(c.threshold)
     dropped = ~keep & bool_mask(mask)
     return keep.to(delta.dtype), {"token/masked_count": count(dropped)}
 
 
 @CORRECTIONS.register("mask_seq")
-def _mask_seq(delta: Tensor, mask: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, Metrics]:
-    keep = _seq_delta(delta, mask, cfg).abs() <= math.log(cfg.correction_threshold)
+def _mask_seq(delta: Tensor, mask: Tensor, c: CorrectionConfig) -> tuple[Tensor, Metrics]:
+    keep = _seq_delta(delta, mask, c).abs() <= math.log(c.threshold)
     dropped = ~keep[:, 0] & bool_mask(mask).any(dim=-1)
     return keep.to(delta.dtype), {"seq/masked_count": count(dropped)}
 
 
-def mismatch_correction(inputs: LossInputs, cfg: ObjectiveConfig) -> tuple[Tensor | None, Metrics]:
+def mismatch_correction(inputs: LossInputs, c: CorrectionConfig) -> tuple[Tensor | None, Metrics]:
     """Detached per-token weights for the policy-gradient term (None = all ones)."""
-    correct = CORRECTIONS.get(cfg.correction_mode)
+    correct = CORRECTIONS.get(c.mode)
     if inputs.rollout_logprobs is None:
-        if cfg.correction_mode != "none":
-            raise ValueError(f"correction_mode={cfg.correction_mode!r} needs rollout_logprobs")
+        if c.mode != "none":
+            raise ValueError(f"correction mode {c.mode!r} needs rollout_logprobs")
         return None, {}
-    delta = log_ratio(inputs.old_logprobs.detach(), inputs.rollout_logprobs.detach(), cfg.log_ratio_clamp)
-    weights, metrics = correct(delta, inputs.mask, cfg)
+    delta = log_ratio(inputs.old_logprobs.detach(), inputs.rollout_logprobs.detach(), LOG_RATIO_CLAMP)
+    weights, metrics = correct(delta, inputs.mask, c)
     metrics.update(masked_stats("token/mismatch_abs", delta.abs(), inputs.mask))
     if weights is not None:
         weights = weights.detach()
@@ -261,7 +265,7 @@ def mismatch_correction(inputs: LossInputs, cfg: ObjectiveConfig) -> tuple[Tenso
 
 
 def policy_loss(
-    pg: Tensor, inputs: LossInputs, cfg: ObjectiveConfig, denoms: GlobalDenominators
+    pg: Tensor, inputs: LossInputs, cfg: AlgorithmConfig, denoms: GlobalDenominators
 ) -> tuple[Tensor, Metrics]:
     """Total loss from a per-token policy-gradient loss ``pg`` [B, T].
 
@@ -273,7 +277,7 @@ def policy_loss(
     """
     mask = inputs.mask
     weights = aggregation_weights(mask, denoms, cfg.loss_agg_mode, pg.dtype)
-    is_weights, metrics = mismatch_correction(inputs, cfg)
+    is_weights, metrics = mismatch_correction(inputs, cfg.correction)
     if is_weights is not None:
         pg = pg * is_weights
     total = masked_sum(pg * weights, mask)
@@ -285,8 +289,13 @@ def policy_loss(
     return total, metrics
 
 
+def kl_loss_beta(cfg: AlgorithmConfig) -> float:
+    """The KL coefficient of the loss: 0 when the penalty goes into the reward instead."""
+    return 0.0 if cfg.kl_in_reward else cfg.kl_beta
+
+
 def _regularizers(
-    inputs: LossInputs, cfg: ObjectiveConfig, weights: Tensor, metrics: Metrics
+    inputs: LossInputs, cfg: AlgorithmConfig, weights: Tensor, metrics: Metrics
 ) -> list[tuple[float, Tensor]]:
     """(coefficient, aggregated term) pairs for KL and entropy; logs them when available.
 
@@ -295,18 +304,19 @@ def _regularizers(
     """
     mask = inputs.mask
     terms: list[tuple[float, Tensor]] = []
-    if inputs.ref_logprobs is None and cfg.kl_beta != 0:
-        raise ValueError("kl_beta != 0 needs ref_logprobs")
+    beta = kl_loss_beta(cfg)
+    if inputs.ref_logprobs is None and beta != 0:
+        raise ValueError("kl_beta != 0 (with kl_in_reward off) needs ref_logprobs")
     if inputs.entropy is None and cfg.entropy_coef != 0:
         raise ValueError("entropy_coef != 0 needs entropy")
     if inputs.ref_logprobs is not None:
-        logp = inputs.logprobs if cfg.kl_beta != 0 else inputs.logprobs.detach()
-        kl = kl_estimate(logp, inputs.ref_logprobs, cfg.kl_estimator, cfg.kl_clamp, cfg.log_ratio_clamp)
+        logp = inputs.logprobs if beta != 0 else inputs.logprobs.detach()
+        kl = kl_estimate(logp, inputs.ref_logprobs, cfg.kl_estimator, cfg.kl_clamp, LOG_RATIO_CLAMP)
         kl_loss = masked_sum(kl * weights, mask)
         metrics["loss/kl"] = kl_loss.detach()
         metrics.update(masked_stats("token/kl", kl, mask))
-        if cfg.kl_beta != 0:
-            terms.append((cfg.kl_beta, kl_loss))
+        if beta != 0:
+            terms.append((beta, kl_loss))
     if inputs.entropy is not None:
         entropy = inputs.entropy if cfg.entropy_coef != 0 else inputs.entropy.detach()
         entropy_agg = masked_sum(entropy * weights, mask)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megatron_rl.objectives.aggregation import GlobalDenominators
 from megatron_rl.objectives.common import (
+    LOG_RATIO_CLAMP,
     clipped_surrogate,
     log_ratio,
     masked_stats,
@@ -17,19 +18,20 @@ from megatron_rl.objectives.common import (
     token_advantages,
 )
 from megatron_rl.objectives.registry import register_objective
-from megatron_rl.objectives.types import LossInputs, LossOutput, ObjectiveConfig
+from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.objectives.types import LossInputs, LossOutput
 
 
 @register_objective("grpo")
 def grpo(
     inputs: LossInputs,
-    cfg: ObjectiveConfig,
+    cfg: AlgorithmConfig,
     denoms: GlobalDenominators,
     *,
     step: int = 0,
     sft_denoms: GlobalDenominators | None = None,
 ) -> LossOutput:
-    ratio = log_ratio(inputs.logprobs, inputs.old_logprobs.detach(), cfg.log_ratio_clamp).exp()
+    ratio = log_ratio(inputs.logprobs, inputs.old_logprobs.detach(), LOG_RATIO_CLAMP).exp()
     adv = token_advantages(inputs.advantages, inputs.mask)
     surrogate = clipped_surrogate(ratio, adv, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c)
     loss, metrics = policy_loss(surrogate.loss, inputs, cfg, denoms)

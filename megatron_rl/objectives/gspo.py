@@ -19,6 +19,7 @@ from torch import Tensor
 
 from megatron_rl.objectives.aggregation import GlobalDenominators
 from megatron_rl.objectives.common import (
+    LOG_RATIO_CLAMP,
     bool_mask,
     clamped_exp,
     clipped_surrogate,
@@ -31,12 +32,13 @@ from megatron_rl.objectives.common import (
     token_advantages,
 )
 from megatron_rl.objectives.registry import register_objective
-from megatron_rl.objectives.types import LossInputs, LossOutput, ObjectiveConfig
+from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.objectives.types import LossInputs, LossOutput
 
 
-def sequence_log_ratio_of(inputs: LossInputs, cfg: ObjectiveConfig) -> Tensor:
+def sequence_log_ratio_of(inputs: LossInputs, cfg: AlgorithmConfig) -> Tensor:
     """log s_i = mean over valid tokens of (log π − log π_old), shape [B]."""
-    token_lr = log_ratio(inputs.logprobs, inputs.old_logprobs.detach(), cfg.log_ratio_clamp)
+    token_lr = log_ratio(inputs.logprobs, inputs.old_logprobs.detach(), LOG_RATIO_CLAMP)
     return sequence_log_ratio(token_lr, inputs.mask, mean=True)
 
 
@@ -56,13 +58,13 @@ def sequence_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
 @register_objective("gspo")
 def gspo(
     inputs: LossInputs,
-    cfg: ObjectiveConfig,
+    cfg: AlgorithmConfig,
     denoms: GlobalDenominators,
     *,
     step: int = 0,
     sft_denoms: GlobalDenominators | None = None,
 ) -> LossOutput:
-    seq_ratio = clamped_exp(sequence_log_ratio_of(inputs, cfg), cfg.log_ratio_clamp)
+    seq_ratio = clamped_exp(sequence_log_ratio_of(inputs, cfg), LOG_RATIO_CLAMP)
     seq_adv = sequence_advantages(inputs.advantages, inputs.mask)
     surrogate = clipped_surrogate(seq_ratio, seq_adv, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c)
     token_loss = surrogate.loss.unsqueeze(-1).expand(inputs.mask.shape)
@@ -76,7 +78,7 @@ def gspo(
 @register_objective("gspo_token")
 def gspo_token(
     inputs: LossInputs,
-    cfg: ObjectiveConfig,
+    cfg: AlgorithmConfig,
     denoms: GlobalDenominators,
     *,
     step: int = 0,
@@ -85,7 +87,7 @@ def gspo_token(
     seq_lr = sequence_log_ratio_of(inputs, cfg).detach()
     logp = inputs.logprobs
     token_log_ratio = seq_lr.unsqueeze(-1) + (logp - logp.detach())
-    ratio = clamped_exp(token_log_ratio, cfg.log_ratio_clamp)
+    ratio = clamped_exp(token_log_ratio, LOG_RATIO_CLAMP)
     adv = token_advantages(inputs.advantages, inputs.mask)
     surrogate = clipped_surrogate(ratio, adv, cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c)
     loss, metrics = policy_loss(surrogate.loss, inputs, cfg, denoms)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from megatron_rl.objectives.aggregation import GlobalDenominators
-    from megatron_rl.objectives.types import LossInputs, LossOutput, ObjectiveConfig
+    from megatron_rl.config.schema import AlgorithmConfig
+    from megatron_rl.objectives.types import LossInputs, LossOutput
 
 T = TypeVar("T")
 
@@ -61,7 +62,7 @@ class Objective(Protocol):
     def __call__(
         self,
         inputs: LossInputs,
-        cfg: ObjectiveConfig,
+        cfg: AlgorithmConfig,
         denoms: GlobalDenominators,
         *,
         step: int = 0,

@@ -96,6 +96,7 @@ class Layout:
     recompute_num_layers: int
     distributed_optimizer: bool
     optimizer_offload: bool
+    optimizer_offload_fraction: float
     micro_batch_size: int
     global_batch_size: int
     seq_length: int
@@ -113,7 +114,9 @@ class Layout:
                    sp=p.sequence_parallel, recompute=p.recompute_granularity,
                    recompute_method=p.recompute_method, recompute_num_layers=p.recompute_num_layers,
                    distributed_optimizer=p.use_distributed_optimizer,
-                   optimizer_offload=p.optimizer_cpu_offload, micro_batch_size=t.micro_batch_size,
+                   optimizer_offload=p.optimizer_cpu_offload,
+                   optimizer_offload_fraction=p.optimizer_offload_fraction if p.optimizer_cpu_offload else 0.0,
+                   micro_batch_size=t.micro_batch_size,
                    global_batch_size=t.global_batch_size,
                    seq_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
                    param_bytes=DTYPE_BYTES[cfg.model.params_dtype],
@@ -288,6 +291,7 @@ def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb
     dense, expert = _sharded(blocks, lay)
     n = dense + expert
     optimizer = optimizer_bytes(dense, expert, lay)
+    on_host = optimizer * lay.optimizer_offload_fraction
     acts = stage_activation_bytes(layers, params, lay, in_flight_microbatches(lay, stage))
     logits = 0.0
     if stage == lay.pp - 1:
@@ -297,8 +301,8 @@ def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb
              f"{n / 1e9:.2f} B params on this GPU"),
         Term("gradients", "gradients (fp32 main grads)", n * GRAD_BYTES / GB),
         Term("optimizer", "optimizer (Adam m, v, fp32 master)",
-             0.0 if lay.optimizer_offload else optimizer / GB,
-             f"offloaded: {optimizer / GB:.1f} GB in host memory" if lay.optimizer_offload else ""),
+             (optimizer - on_host) / GB,
+             f"offloaded: {on_host / GB:.1f} GB in host memory" if lay.optimizer_offload else ""),
         Term("activations", "activations", acts / GB,
              f"{len(layers)} layers × {in_flight_microbatches(lay, stage):g} micro-batch(es) "
              "in flight"),
@@ -307,8 +311,7 @@ def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb
         Term("vllm", "vLLM (colocated)", colocated_vllm_gb),
         Term("overhead", "CUDA context, NCCL, fragmentation", OVERHEAD_GB),
     ]
-    return StageMemory(stage, len(layers), tuple(terms),
-                       optimizer / GB if lay.optimizer_offload else 0.0)
+    return StageMemory(stage, len(layers), tuple(terms), on_host / GB)
 
 
 def worst_stage(params: ModelParams, lay: Layout, colocated_vllm_gb: float) -> StageMemory:

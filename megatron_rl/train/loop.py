@@ -11,10 +11,11 @@ import torch.distributed as dist
 from ..config.schema import RecipeConfig
 from ..objectives.chord import optimizer_step
 from .batch import build_batch, kl_penalty, score_groups, set_advantages
+from .eval_phase import evaluate, load_eval_set
 from .metrics_log import MetricsLog, console_line
 from .rollout_phase import generate_groups
 from .session import Session, Stop, timed
-from .setup import export_hf, init_process_group, make_run_dir, objective_config
+from .setup import export_hf, init_process_group, make_run_dir
 from .step_parts import minibatches, probe_batch, sft_batch, step_metrics
 
 
@@ -30,7 +31,8 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     seq_len = r.max_prompt_length + r.max_response_length
     pad = session.tokenizer.pad_token_id or 0
     probe = probe_batch(session, seq_len, pad)
-    objective = objective_config(cfg)
+    objective = cfg.algorithm                    # what the objectives read, as the recipe wrote it
+    eval_set = load_eval_set(cfg, session.tokenizer)
     try:
         session.start_server()
         session.sync()
@@ -71,6 +73,9 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
                 extra = session.sync()
                 if r.verify_every and session.version % r.verify_every == 0:
                     extra.update(session.verify(probe))
+            if eval_set is not None and step % cfg.evaluation.interval == 0:
+                with timed(timings, "eval"):
+                    extra.update(evaluate(session, eval_set))
             metrics = step_metrics(scored, batch, updates, timings, extra, session.version)
             if penalty is not None:
                 metrics["kl_in_reward/mean"] = float(penalty.mean())

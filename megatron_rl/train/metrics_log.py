@@ -9,7 +9,8 @@ from typing import Any
 
 CONSOLE_KEYS = (("reward/mean", "reward"), ("accuracy", "acc"), ("format_rate", "fmt"),
                 ("response_length/mean", "len"), ("kl", "kl"), ("clip_frac", "clip"),
-                ("grad_norm", "gnorm"), ("mismatch/abs_mean", "mism"), ("time/step", "s"))
+                ("grad_norm", "gnorm"), ("mismatch/abs_mean", "mism"), ("eval/reward_mean", "eval_reward"),
+                ("eval/accuracy", "eval_acc"), ("time/step", "s"))
 
 
 class MetricsLog:

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
-from ..megatron.actor import Actor, OptimSettings, init_parallel
-from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
-from ..megatron.providers import ParallelLayout, build_model_recipe
-from ..model_config import read_hf_config
+from ..megatron.actor import Actor, Training, init_parallel
+from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, load_weights, prune_checkpoints, save_checkpoint
+from ..megatron.providers import build_model_recipe
+from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
 from ..types import TrainBatch
@@ -41,20 +41,15 @@ class Stop(Exception):
     """The run must stop (reason in the message)."""
 
 
-def layout_of(cfg: RecipeConfig) -> ParallelLayout:
-    p = cfg.parallelism
-    return ParallelLayout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                          p.expert_model_parallel_size, p.expert_tensor_parallel_size, p.sequence_parallel,
-                          p.moe_token_dispatcher_type)
-
-
 class Session:
     def __init__(self, cfg: RecipeConfig, run_dir: Path) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.run_dir = cfg, run_dir
         self.rank0 = dist.get_rank() == 0
-        self.hf_dir = _require(cfg.model.init_checkpoint, "model.init_checkpoint (an HF model directory)")
+        _require(cfg.model.init_checkpoint, "model.init_checkpoint (an HF directory or a Megatron dist-checkpoint)")
+        self.init = init_checkpoint(cfg.model)
+        self.hf_dir = self.init.hf_dir                       # HF config and tokenizer files
         self.hf = read_hf_config(self.hf_dir)
         self.adapter = adapter_for(self.hf)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or self.hf_dir)
@@ -67,15 +62,11 @@ class Session:
         self.prompts_per_step = t.global_batch_size * a.steps_per_generation // cfg.rollout.n
         self.total_steps = t.max_steps or t.epochs * math.ceil(len(self.prompts.records) / self.prompts_per_step)
         updates = self.total_steps * a.steps_per_generation
-        init_parallel(layout_of(cfg), t.seed)
-        recipe = build_model_recipe(self.hf, layout_of(cfg), self.dtype)
-        optim = OptimSettings(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-                              adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
-                              warmup_steps=int(t.lr_warmup_ratio * updates), total_steps=updates,
-                              decay_style=t.lr_decay_style)
-        self.actor = Actor(recipe, optim, t.micro_batch_size, t.max_tokens_per_microbatch)
-        load_hf_into_model(self.actor.model, self.hf_dir)
-        self.actor.optimizer.reload_model_params()
+        init_parallel(cfg.parallelism, t.seed)
+        recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
+        self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
+                           t.max_tokens_per_microbatch)
+        _load_init(self.actor, self.init.path)
         self.reference = self._reference(recipe) if a.kl_beta > 0 else None
         self.sft = load_sft_tokens(cfg.data.sft_path, self.tokenizer, cfg.data.on_malformed) \
             if cfg.algorithm.name == "chord" else None
@@ -90,9 +81,9 @@ class Session:
         self.stop_signal: str | None = None
 
     def _reference(self, recipe: Any) -> Actor:
-        ref = Actor(recipe, None, self.cfg.trainer.micro_batch_size, self.cfg.trainer.max_tokens_per_microbatch)
-        path = self.cfg.model.reference_path if self.cfg.model.reference == "path" else self.hf_dir
-        load_hf_into_model(ref.model, path)
+        ref = Actor(recipe, self.cfg.trainer.micro_batch_size, None, self.cfg.trainer.max_tokens_per_microbatch)
+        path = self.cfg.model.reference_path if self.cfg.model.reference == "path" else self.init.path
+        _load_init(ref, path)
         return ref
 
     # ------------------------------------------------------------------ rollout server
@@ -113,7 +104,8 @@ class Session:
             print(f"[rollout] using {len(self.servers)} external server(s): "
                   + ", ".join(s.base_url for s in self.servers), flush=True)
         else:
-            server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length)
+            server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length,
+                                   extra_args=self.init.server_args)
             server.start()
             self.servers = [server]
         self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
@@ -204,6 +196,16 @@ class Session:
             transport.close()
         for server in self.servers:
             server.stop()                                    # a no-op for external servers
+
+
+def _load_init(actor: Actor, path: str) -> None:
+    """Starting weights from an HF directory or a Megatron dist-checkpoint (any layout)."""
+    if is_megatron_checkpoint(path):
+        load_weights(actor, path)
+        return
+    load_hf_into_model(actor.model, path)
+    if actor.trainable:
+        actor.optimizer.reload_model_params()   # fp32 master weights follow the loaded weights
 
 
 def _require(value: str | None, what: str) -> str:

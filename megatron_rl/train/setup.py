@@ -14,7 +14,6 @@ import torch.distributed as dist
 from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
 from ..data.schema import PromptRecord, SFTRecord, read_prompts, read_sft
-from ..objectives import ObjectiveConfig
 
 
 def init_process_group() -> None:
@@ -41,19 +40,6 @@ def make_run_dir(cfg: RecipeConfig, resume: bool) -> Path:
         write_resolved(cfg, run)
     dist.barrier()
     return run
-
-
-def objective_config(cfg: RecipeConfig) -> ObjectiveConfig:
-    a = cfg.algorithm
-    return ObjectiveConfig(
-        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, dual_clip_c=a.dual_clip_c,
-        loss_agg_mode=a.loss_agg_mode, kl_beta=0.0 if a.kl_in_reward else a.kl_beta,
-        kl_estimator=a.kl_estimator, kl_clamp=a.kl_clamp, entropy_coef=a.entropy_coef,
-        correction_mode=a.correction.mode, correction_cap=a.correction.cap,
-        correction_threshold=a.correction.threshold, mu_peak=a.chord.mu_peak, mu_valley=a.chord.mu_valley,
-        mu_warmup_steps=a.chord.mu_warmup_steps, mu_decay_steps=a.chord.mu_decay_steps,
-        chord_phi=a.chord.phi, rl_objective=a.chord.rl_objective,
-    )
 
 
 @dataclass

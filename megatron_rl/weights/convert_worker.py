@@ -67,7 +67,7 @@ def frozen_model(hf: dict[str, Any], layout: ConvertLayout, dtype: torch.dtype) 
         world = dist.get_world_size() if dist.is_initialized() else "?"
         raise ConversionError(f"cannot build the model at {layout} on {world} worker(s): {exc}") from exc
     recipe.config.perform_initialization = False     # every weight is overwritten: skip the RNG work
-    return Actor(recipe, None, micro_batch_size=1)
+    return Actor(recipe, 1, None)
 
 
 def full_shape(p: LocalParam) -> tuple[int, ...]:

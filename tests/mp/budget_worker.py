@@ -19,11 +19,15 @@ torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
+from megatron_rl.megatron import cpu_compat  # noqa: E402
+
+cpu_compat.apply()   # explicit: before anything imports megatron-core
+
+from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.microbatch import needed_lengths  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
@@ -35,9 +39,9 @@ CASES = {
     "next": {"tp1": ("grpo",), "tp2_sp": ("grpo",), "pp2": ("grpo",)},        # Gated DeltaNet layers
 }
 OBJECTIVES = {
-    "grpo": ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05, entropy_coef=0.01),
-    "chord": ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.28, rl_objective="grpo", mu_warmup_steps=1,
-                             mu_decay_steps=4, chord_phi=True),
+    "grpo": AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05, entropy_coef=0.01),
+    "chord": AlgorithmConfig(name="chord", clip_eps_low=0.2, clip_eps_high=0.28,
+                             chord=ChordConfig(rl_objective="grpo", mu_warmup_steps=1, mu_decay_steps=4, phi=True)),
 }
 BUDGET = 40     # 24-token rows: 1 to 4 rows per micro-batch, depending on their lengths
 
@@ -64,8 +68,8 @@ def grad_shards(actor: Actor) -> torch.Tensor:
 def run(hf_dir: str, layout: ParallelLayout, objective: str, budget: int | None) -> dict:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, layout, torch.float32), OptimSettings(lr=1e-3, total_steps=10),
-                  micro_batch_size=2, max_tokens_per_microbatch=budget)
+    actor = Actor(build_model_recipe(hf, layout, torch.float32), 2,
+                  Training(TrainerConfig(lr=1e-3), layout, total_updates=10), max_tokens_per_microbatch=budget)
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     grads: list[torch.Tensor] = []

@@ -17,11 +17,11 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
-from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
+from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.checkpoint import OptimizerLayoutMismatch, load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -31,7 +31,7 @@ from layouts_worker import LAYOUTS, make_batch  # noqa: E402
 def build(hf_dir: str, layout: ParallelLayout) -> Actor:
     init_parallel(layout, seed=1234)
     return Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32),
-                 OptimSettings(lr=1e-3, total_steps=10), micro_batch_size=2)
+                 2, Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
 
 
 def logprobs(actor: Actor, batch) -> torch.Tensor:  # noqa: ANN001
@@ -47,10 +47,10 @@ def main() -> None:
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     batch.old_logprobs = logprobs(actor, batch)
-    actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 0)
+    actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
     reference = logprobs(actor, batch)
     save_checkpoint(actor, ckpt, extra={"epoch": 3})
-    actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 1)
+    actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 1)
     after_step = logprobs(actor, batch)
     result = {}
     for name, layout in LAYOUTS.items():
@@ -65,7 +65,7 @@ def main() -> None:
                  "step": other.step, "extra": extra, "optimizer_loaded": optimizer_loaded}
         if optimizer_loaded:
             # Same optimizer state ⇒ the next step is the same as the saver's next step.
-            other.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 1)
+            other.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 1)
             entry["logprob_diff_after_step"] = (logprobs(other, batch) - after_step).abs().max().item()
         result[name] = entry
     if dist.get_rank() == 0:

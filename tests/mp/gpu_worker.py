@@ -17,13 +17,17 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel
-from megatron_rl.megatron.providers import build_model_recipe
-from megatron_rl.model_config import read_hf_config
-from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.train.session import Session
-from megatron_rl.train.setup import init_process_group
-from megatron_rl.weights.loading import load_hf_into_model
+from megatron_rl.megatron import cpu_compat
+
+cpu_compat.apply()   # explicit (a no-op with CUDA; MEGATRON_RL_REQUIRE_CUDA makes it refuse without)
+
+from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
+from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.train.session import Session  # noqa: E402
+from megatron_rl.train.setup import init_process_group  # noqa: E402
+from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
@@ -42,7 +46,8 @@ def main() -> None:
     hf = read_hf_config(hf_dir)
     layout = LAYOUTS["tp2_sp" if dist.get_world_size() == 2 else "tp1"]
     init_parallel(layout, seed=1)
-    actor = Actor(build_model_recipe(hf, layout, torch.bfloat16), OptimSettings(lr=1e-4, total_steps=10), 2)
+    actor = Actor(build_model_recipe(hf, layout, torch.bfloat16), 2,
+                  Training(TrainerConfig(lr=1e-4), layout, total_updates=10))
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     result["param_devices"] = sorted({str(p.device) for p in actor.model.parameters()})
@@ -50,7 +55,7 @@ def main() -> None:
     logp = actor.compute_logprobs(batch, 1.0)
     result["logprobs_finite"] = bool(torch.isfinite(logp).all())
     batch.old_logprobs = logp
-    metrics = actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 0)
+    metrics = actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
     result["step_finite"] = bool(metrics) and all(math.isfinite(float(v)) for v in metrics.values())
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     dist.barrier()

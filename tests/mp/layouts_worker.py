@@ -17,10 +17,10 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
-from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
+from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.hf_io import HFCheckpointReader  # noqa: E402
@@ -36,8 +36,8 @@ LAYOUTS = {
                                    expert_model_parallel_size=2, expert_tensor_parallel_size=1),
 }
 OBJECTIVES = {
-    "grpo": ObjectiveConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05),
-    "gspo": ObjectiveConfig(clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="seq-mean-token-mean"),
+    "grpo": AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05),
+    "gspo": AlgorithmConfig(clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="seq-mean-token-mean"),
 }
 
 
@@ -57,7 +57,7 @@ def run_layout(hf_dir: str, layout: ParallelLayout, objective: str) -> tuple[lis
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
     recipe = build_model_recipe(hf, layout, torch.float32)
-    actor = Actor(recipe, OptimSettings(lr=1e-3, clip_grad=1.0, total_steps=10), micro_batch_size=2)
+    actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3, clip_grad=1.0), layout, total_updates=10))
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()   # the optimizer's fp32 master copy follows the loaded weights
     batch = make_batch(hf["vocab_size"])

@@ -17,10 +17,10 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
-from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
+from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -35,7 +35,8 @@ def main() -> None:
     hf_dir, out = sys.argv[1:3]
     init_parallel(LAYOUTS["tp2_sp"], seed=1)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, LAYOUTS["tp2_sp"], torch.float32), OptimSettings(lr=1e-3, total_steps=5), 2)
+    actor = Actor(build_model_recipe(hf, LAYOUTS["tp2_sp"], torch.float32), 2,
+                  Training(TrainerConfig(lr=1e-3), LAYOUTS["tp2_sp"], total_updates=5))
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     batch = make_batch(hf["vocab_size"])
@@ -45,10 +46,10 @@ def main() -> None:
     bad.old_logprobs = batch.old_logprobs
     bad.advantages = batch.advantages.clone()
     bad.advantages[3] = math.nan
-    m_bad = actor.train_step(bad, ObjectiveConfig(), "grpo", 1.0, 0)
+    m_bad = actor.train_step(bad, AlgorithmConfig(), "grpo", 1.0, 0)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
     lr_after_bad = m_bad["lr"]
-    m_good = actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 0)
+    m_good = actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
     changed = any(not torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({

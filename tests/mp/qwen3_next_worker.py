@@ -23,7 +23,8 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
-from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel, unwrap  # noqa: E402
+from megatron_rl.config.schema import TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
@@ -99,8 +100,8 @@ def step_one_grads(actor: Actor) -> dict[str, torch.Tensor] | None:
 def run_layout(hf_dir: str, layout: ParallelLayout, ref: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, layout, torch.float32), OptimSettings(lr=1e-3, total_steps=10),
-                  micro_batch_size=2)
+    actor = Actor(build_model_recipe(hf, layout, torch.float32), 2,
+                  Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     result: dict = {"max_logit_diff": logits_diff(actor, ref)}

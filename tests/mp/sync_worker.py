@@ -20,10 +20,10 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
 from megatron_rl.config.schema import RolloutConfig  # noqa: E402
-from megatron_rl.megatron.actor import Actor, OptimSettings, init_parallel  # noqa: E402
+from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.objectives import ObjectiveConfig  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
@@ -77,7 +77,8 @@ def main() -> None:
             handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                    token=Path(token_file).read_text(), port=int(port))
             client = RolloutClient(url, handle.token, "policy", stop_token_ids=[])   # log-probs only
-        actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), OptimSettings(lr=1e-2, total_steps=10), 2)
+        actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), 2,
+                      Training(TrainerConfig(lr=1e-2), LAYOUTS[name], total_updates=10))
         load_hf_into_model(actor.model, hf_dir)
         actor.optimizer.reload_model_params()
         batch = make_batch(hf["vocab_size"])
@@ -87,7 +88,7 @@ def main() -> None:
         # (64 KiB segments: really split). A fresh one for the corrupted sync.
         good = FileTransport(handle, segment_bytes=1 << 16) if rank0 else None
         for attempt in ("first", "second", "corrupted"):
-            actor.train_step(batch, ObjectiveConfig(), "grpo", 1.0, 0)   # the server is now stale
+            actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)   # the server is now stale
             entry[f"{attempt}_before_sync"] = server_diff(actor, client, probe)
             transport = (CorruptingTransport(handle, segment_bytes=1 << 16) if attempt == "corrupted" else good) \
                 if rank0 else None

@@ -1,0 +1,97 @@
+"""`megatron-rl train --dry-run`: everything about a recipe that can be checked without the model.
+
+The recipe's lint rules (batch and micro-batch splits of the RL and SFT streams over DP, rollout
+TP × DP against a node, memory options), the data files (readable, prompts within
+`rollout.max_prompt_length` with the run's own tokenizer, enough of them for one step) and the
+planner's fit. `check_paths=False` skips what needs files that exist only on the cluster.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .config.schema import RecipeConfig
+from .lint import Finding, gpus_per_node, lint
+
+
+def preflight(cfg: RecipeConfig, check_paths: bool = True, gpu_memory_gb: float = 80.0) -> list[Finding]:
+    findings = lint(cfg, check_paths)
+    if check_paths and not any(f.rule == "missing-file" for f in findings):
+        findings += data_findings(cfg)
+    return findings + fit_findings(cfg, gpu_memory_gb)
+
+
+def _error(rule: str, key: str, message: str) -> Finding:
+    return Finding("error", rule, key, message)
+
+
+def _prompt_lengths(records: list[Any], tokenizer: Any) -> list[int]:
+    return [len(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"]) for r in records]
+
+
+def data_findings(cfg: RecipeConfig) -> list[Finding]:
+    """The data files parse, and the training prompts fit `max_prompt_length` (as the trainer
+    tokenizes them) in numbers enough for one step."""
+    from .data.schema import DataError, read_prompts, read_sft
+
+    d, r = cfg.data, cfg.rollout
+    out: list[Finding] = []
+    try:
+        train = read_prompts(d.train_path, on_malformed=d.on_malformed) if d.train_path else []
+        if d.eval_path:
+            read_prompts(d.eval_path, on_malformed=d.on_malformed)
+        sft = read_sft(d.sft_path, on_malformed=d.on_malformed) \
+            if d.sft_path and cfg.algorithm.name == "chord" else []
+    except (DataError, OSError) as exc:
+        return [_error("data", "data", str(exc))]
+    if not d.train_path:
+        return [_error("data", "data.train_path", "the trainer needs RL prompts; set data.train_path")]
+    from transformers import AutoTokenizer
+
+    from .model_config import ModelConfigError, init_checkpoint
+
+    try:
+        tokenizer_dir = cfg.model.tokenizer or init_checkpoint(cfg.model).hf_dir   # the trainer's choice
+    except ModelConfigError as exc:
+        return [_error("data", "model.init_checkpoint", str(exc))]
+
+    lengths = _prompt_lengths(train, AutoTokenizer.from_pretrained(tokenizer_dir))
+    kept = sum(n <= r.max_prompt_length for n in lengths)
+    per_step = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation // r.n
+    if kept < per_step:
+        out.append(_error("data", "data.train_path",
+                          f"{kept} of {len(lengths)} prompts fit rollout.max_prompt_length={r.max_prompt_length} "
+                          f"tokens (longest {max(lengths, default=0)}); one step needs {per_step}"))
+    elif kept < len(lengths):
+        out.append(Finding("warning", "data", "data.train_path",
+                           f"{len(lengths) - kept} of {len(lengths)} prompts are longer than "
+                           f"rollout.max_prompt_length={r.max_prompt_length} tokens and will be dropped"))
+    if cfg.algorithm.name == "chord" and len(sft) < cfg.algorithm.chord.sft_batch_size:
+        out.append(_error("data", "data.sft_path", f"{len(sft)} expert rows; one step needs "
+                          f"algorithm.chord.sft_batch_size={cfg.algorithm.chord.sft_batch_size}"))
+    return out
+
+
+def fit_findings(cfg: RecipeConfig, gpu_memory_gb: float) -> list[Finding]:
+    """The planner's verdict on the recipe's own layout (GPU jobs with a known model only)."""
+    from .model_config import ModelConfigError, resolve_hf_config
+    from .planner.memory import Hardware
+    from .planner.plan import plan
+    from .planner.report import render
+
+    if gpus_per_node(cfg) == 0:
+        return []
+    try:
+        hf = resolve_hf_config(cfg.model) if not cfg.model.hf_config or Path(cfg.model.hf_config).exists() else None
+    except ModelConfigError:
+        return []                                   # lint has reported it
+    if hf is None:
+        return []
+    result = plan(cfg, hf, Hardware(cfg.parallelism.gpus_per_node, gpu_memory_gb), limit=0)
+    if result.estimate.fits:
+        return []
+    verdict = next(line for line in render(result).splitlines() if line.startswith("verdict:"))
+    return [_error("fit", "parallelism", f"{verdict.removeprefix('verdict: ')} (`megatron-rl plan` "
+                   f"shows the terms and layouts that fit)")]

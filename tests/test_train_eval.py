@@ -1,0 +1,55 @@
+"""Periodic evaluation in a real tiny run: `eval/*` metrics from greedy answers on `data.eval_path`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.types import RolloutGroup, Sample
+from tests.rollout_fixtures import demo_assets
+from tests.test_train_e2e import metrics, run_train
+
+
+@pytest.mark.slow
+def test_a_run_with_eval_path_logs_eval_metrics(tmp_path: Path) -> None:
+    demo_assets()
+    run = run_train("grpo.yaml", tmp_path, "r", "trainer.max_steps=2", "evaluation.interval=1",
+                    "evaluation.max_prompts=12", "rollout.max_response_length=16")
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["eval/prompts"] == 12
+        # One greedy sample per prompt, scored with the recipe's rewards (mcq_answer, weight 1).
+        assert r["eval/reward_mean"] == pytest.approx(r["eval/reward/mcq_answer_mean"]) == r["eval/accuracy"]
+        assert r["eval/accuracy"] * 12 == pytest.approx(round(r["eval/accuracy"] * 12))   # k of 12 right
+        assert 0 < r["eval/response_length_mean"] <= 16
+        assert r["time/eval"] > 0
+
+
+def _group(record: dict, text: str) -> RolloutGroup:
+    return RolloutGroup(0, record, [Sample(prompt_ids=[1], response_ids=[2, 3], response_logprobs=[0.0, 0.0],
+                                           text=text)])
+
+
+def test_igakuqa_eval_prompts_are_scored_with_the_benchmark_rule() -> None:
+    from megatron_rl.train.eval_phase import eval_metrics
+
+    def q(pid: str, answer: list[str], points: int, kinki: list[str] = (), alternatives: list = ()) -> dict:
+        return {"id": pid, "source": "igakuqa", "choices": list("abcde"), "answer": answer,
+                "alternatives": list(alternatives), "metadata": {"points": points, "kinki": list(kinki)}}
+
+    groups = [_group(q("117A1", ["a"], 1), "...[ans]a[/ans]"),                      # right: 1 point
+              _group(q("117B2", ["b", "c"], 3), "[ans]c, b[/ans]"),                 # right (a set): 3 points
+              _group(q("117C3", ["d"], 1, kinki=["e"]), "[ans]e[/ans]"),            # wrong, prohibited
+              _group(q("112B30", ["a"], 1, alternatives=[["d"]]), "[ans]d[/ans]"),  # the accepted alternative
+              _group({"id": "x", "source": "synthetic_mcq", "choices": ["1", "2"], "answer": ["a"],
+                      "metadata": {}}, "[ans]a[/ans]")]                              # not IgakuQA: not counted
+    for g in groups:
+        g.rewards, g.reward_parts = [1.0], [{"mcq_answer": 1.0}]
+    m = eval_metrics(groups)
+    assert m["eval/igakuqa/questions"] == 4
+    assert m["eval/igakuqa/accuracy"] == pytest.approx(3 / 4)
+    assert m["eval/igakuqa/score"] == pytest.approx(5 / 6)
+    assert m["eval/igakuqa/prohibited_rate"] == pytest.approx(1 / 4)
+    assert m["eval/prompts"] == 5
