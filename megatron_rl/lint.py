@@ -161,13 +161,6 @@ def _batch(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 def _token_budget(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     t, r, p = cfg.trainer, cfg.rollout, cfg.parallelism
     out: list[Finding] = []
-    if t.packed:
-        gdn = " (and Qwen3-Next's Gated DeltaNet layers would carry their state across the sequences " \
-              "of a pack)" if hf is not None and hf.get("model_type") == "qwen3_next" else ""
-        out.append(Finding("error", "token-budget", "trainer.packed",
-                           "packed sequences (THD layout with cu_seqlens) are not implemented" + gdn +
-                           "; set trainer.max_tokens_per_microbatch instead (length-grouped micro-batches "
-                           "padded only to their longest row)"))
     budget = t.max_tokens_per_microbatch
     if budget is None:
         return out

@@ -48,7 +48,7 @@ def test_tiny_recipes_pass_with_their_files(capsys: pytest.CaptureFixture[str], 
     ("recipes/qwen3_235b_a22b/grpo.yaml", ["parallelism.optimizer_cpu_offload=false"],
      "[fit] parallelism: DOES NOT FIT: margin"),
     ("recipes/qwen3_235b_a22b/grpo.yaml", ["trainer.global_batch_size=500"],
-     "[batch-sizes] trainer.global_batch_size: 500 is not divisible by DP × micro_batch_size = 8 × 1"),
+     "[batch-sizes] trainer.global_batch_size: 500 is not divisible by DP × micro_batch_size = 32 × 1"),
     ("recipes/qwen3_235b_a22b/grpo.yaml", ["parallelism.use_distributed_optimizer=false"],
      "[memory-options] parallelism.optimizer_cpu_offload: megatron-core offloads the distributed optimizer's"),
 ])

@@ -265,7 +265,10 @@ class TrainerConfig:
     Rows are grouped by length and cut to the longest in their micro-batch, the count of
     micro-batches varies per step (equal on every DP rank), and `micro_batch_size` is not used.
     Loss and gradients equal the padded path's (global denominators)."""
-    packed: bool = False
+    packed: bool = spec(False, not_implemented="packed sequences (THD layout with cu_seqlens) have no code path "
+                        "(and Qwen3-Next's Gated DeltaNet layers would carry their state across the sequences "
+                        "of a pack); set trainer.max_tokens_per_microbatch instead (length-grouped micro-batches "
+                        "padded only to their longest row)")
     """Pack sequences back to back (THD with cu_seqlens): not implemented yet, `true` is refused
     (use `max_tokens_per_microbatch`)."""
     lr: float = spec(1e-6, gt=0.0)

@@ -15,6 +15,10 @@ import torch
 
 torch.set_num_threads(1)
 
+from megatron_rl.megatron import cpu_compat  # noqa: E402
+
+cpu_compat.apply()   # explicit: before anything imports megatron-core
+
 from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
