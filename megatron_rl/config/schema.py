@@ -217,8 +217,9 @@ class DataConfig:
 
 @dataclass
 class RewardsConfig:
-    weights: dict[str, float] = spec(factory=lambda: {"mcq_answer": 1.0})
-    """Reward function name → weight; the sample's reward is the weighted sum."""
+    weights: dict[str, float] = spec(factory=dict)
+    """Reward → weight; the sample's reward is the weighted sum. A reward is a registered name
+    (`mcq_answer`, ...) or `module.path:function` taking (response, sample). Empty = the task's."""
 
 
 @dataclass
@@ -338,6 +339,9 @@ class RecipeConfig:
     """RL objective and its hyper-parameters."""
     data: DataConfig = spec(factory=DataConfig)
     """Datasets."""
+    task: str = "mcq"
+    """The task (prompt format, rewards, scorer): a built-in name (mcq, igakuqa, medmcqa), a module
+    path whose module defines `TASK`, or `module.path:attribute` of a `megatron_rl.tasks.Task`."""
     rewards: RewardsConfig = spec(factory=RewardsConfig)
     """Reward functions and weights."""
     trainer: TrainerConfig = spec(factory=TrainerConfig)

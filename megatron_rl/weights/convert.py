@@ -222,6 +222,9 @@ def stats_payload(stats: dict[str, Any]) -> str:
 if __name__ == "__main__":
     # The torchrun entry point. Kept in this light module on purpose: megatron's checkpoint saver
     # spawns a helper process that re-imports the __main__ module, and this one imports no torch.
+    from ..console import quiet_third_party
+
+    quiet_third_party()
     from .convert_worker import main
 
     sys.exit(main(sys.argv[1:]))
