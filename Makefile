@@ -1,8 +1,11 @@
-# The two commands of the README. Both build .venv on first use (tools/install_cpu_env.sh).
-.PHONY: demo test env clean-env
+# The two commands of the README, plus the edit loop. All build .venv on first use
+# (tools/install_cpu_env.sh).
+.PHONY: demo test test-fast test-slow lint env clean-env
 
 PY := .venv/bin/python
 PYTEST_ARGS ?=
+# ruff and mypy run from the project venv; LINT_PY points them at another interpreter's.
+LINT_PY ?= $(PY)
 
 env:
 	@bash tools/install_cpu_env.sh
@@ -10,8 +13,21 @@ env:
 demo: env
 	$(PY) -m megatron_rl.cli demo
 
+# Everything, as CI runs it (.ci/run).
 test: env
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The edit loop: every test not marked `slow` (no vLLM server, torchrun or Slurm job); a few minutes.
+test-fast: env
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: env
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# Rules and settings in pyproject.toml ([tool.ruff], [tool.mypy]); .pre-commit-config.yaml runs the same.
+lint: env
+	$(LINT_PY) -m ruff check .
+	$(LINT_PY) -m mypy --python-executable $(PY)
 
 clean-env:
 	rm -rf .venv
