@@ -29,6 +29,9 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     # The distributed optimizer zeroes the grads of its fp32 shard views (megatron marks the line
     # "throws grad-access warning"); the view's .grad is None either way.
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf", r"megatron\.core\.optimizer(\.|$)"),
+    # Deprecations Python hides outside __main__ but pytest shows: megatron-core's own imports.
+    (DeprecationWarning, r"`torch\.jit\.script_method` is deprecated", r"torch\.jit(\.|$)"),
+    (DeprecationWarning, r"The following imports from `dynamic_context\.py`", r"megatron\.core\.inference(\.|$)"),
 )
 # (logger name, message prefix): megatron-core messages written with `logging`, not `warnings`.
 KNOWN_LOG_LINES: tuple[tuple[str, str], ...] = (
