@@ -78,6 +78,7 @@ def test_batch_metrics_come_from_the_task_hooks() -> None:
      "cannot be called as (response: str, sample)"),
     ("mcq", {"tests.no_such_module:fn": 1.0}, "rewards.weights.tests.no_such_module:fn", "cannot import module"),
     ("mcq", {"mcq_answr": 1.0}, "rewards.weights.mcq_answr", "allowed: japanese_only, mcq_answer"),
+    ("mcq", {"mcq_answer": float("nan")}, "rewards.weights.mcq_answer", "must be a finite number, got nan"),
 ])
 def test_bad_plugins_are_reported_with_their_path(task: str, weights: dict, key: str, needle: str) -> None:
     ((got_key, message),) = plugin_problems(task, weights)

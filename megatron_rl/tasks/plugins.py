@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +70,12 @@ def check_reward(fn: Any, path: str) -> RewardFn:
     return fn
 
 
+def check_weight(name: str, weight: object) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise PluginError(f"weight of reward {name!r} must be a finite number, got {weight!r}")
+    return float(weight)
+
+
 def reward_function(name: str) -> RewardFn:
     """A registered reward, or the function at `module.path:function`."""
     if ":" in name:
@@ -98,7 +105,7 @@ def resolve_task(spec: str, weights: Mapping[str, float]) -> LoadedTask:
     if not chosen:
         raise PluginError(f"task {spec!r} defines no rewards and the recipe sets no rewards.weights")
     functions = {name: reward_function(name) for name in chosen}
-    return LoadedTask(task, {k: float(v) for k, v in chosen.items()}, functions)
+    return LoadedTask(task, {k: check_weight(k, v) for k, v in chosen.items()}, functions)
 
 
 def plugin_problems(spec: str, weights: Mapping[str, float]) -> list[tuple[str, str]]:
@@ -108,9 +115,10 @@ def plugin_problems(spec: str, weights: Mapping[str, float]) -> list[tuple[str, 
     except PluginError as exc:
         return [("task", str(exc))]
     problems = []
-    for name in weights or task.rewards:
+    for name, weight in (weights or task.rewards).items():
         try:
             reward_function(name)
+            check_weight(name, weight)
         except PluginError as exc:
             problems.append((f"rewards.weights.{name}", str(exc)))
     return problems
