@@ -19,7 +19,8 @@ def minibatches(batch: TrainBatch, count: int) -> Iterator[TrainBatch]:
         yield batch.rows(i * size, (i + 1) * size)
 
 
-def _pack(sequences: list[list[int]], prompt_lengths: list[int], seq_len: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(sequences: list[list[int]], prompt_lengths: list[int], seq_len: int,
+          pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.full((len(sequences), seq_len), pad, dtype=torch.long)
     mask = torch.zeros(len(sequences), seq_len - 1)
     for i, (seq, plen) in enumerate(zip(sequences, prompt_lengths)):
