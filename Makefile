@@ -1,10 +1,13 @@
-# The two commands of the README. Both build .venv on first use (tools/install_cpu_env.sh).
-# `make test-gpu` runs the GPU tests with the GPU stack's Python (the image's, or GPU_PY=...).
-.PHONY: demo test test-gpu env clean-env
+# The two commands of the README, plus the edit loop. All build .venv on first use
+# (tools/install_cpu_env.sh). `make test-gpu` runs the GPU tests with the GPU stack's Python (the
+# image's, or GPU_PY=...).
+.PHONY: demo test test-fast test-slow test-gpu lint env clean-env
 
 PY := .venv/bin/python
 GPU_PY ?= python
 PYTEST_ARGS ?=
+# ruff and mypy run from the project venv; LINT_PY points them at another interpreter's.
+LINT_PY ?= $(PY)
 
 env:
 	@bash tools/install_cpu_env.sh
@@ -12,6 +15,7 @@ env:
 demo: env
 	$(PY) -m megatron_rl.cli demo
 
+# Everything, as CI runs it (.ci/run).
 test: env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -19,6 +23,18 @@ test: env
 test-gpu:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: CUDA is not available to $(GPU_PY) (torch ' + torch.__version__ + ')')"
 	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS) tests/gpu tests/test_logprobs.py
+
+# The edit loop: every test not marked `slow` (no vLLM server, torchrun or Slurm job); a few minutes.
+test-fast: env
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: env
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# Rules and settings in pyproject.toml ([tool.ruff], [tool.mypy]); .pre-commit-config.yaml runs the same.
+lint: env
+	$(LINT_PY) -m ruff check .
+	$(LINT_PY) -m mypy --python-executable $(PY)
 
 clean-env:
 	rm -rf .venv

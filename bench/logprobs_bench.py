@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 VARIANTS = ("chunked_fwd", "naive_fwd", "chunked_fwd_bwd", "naive_fwd_bwd")
 # Rough peak of each variant in units of the logits' size, to skip what cannot fit.
@@ -32,7 +33,7 @@ def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _naive(logits, target):  # type: ignore[no-untyped-def]
+def _naive(logits: Any, target: Any) -> tuple[Any, Any]:
     import torch
 
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -41,7 +42,7 @@ def _naive(logits, target):  # type: ignore[no-untyped-def]
     return logp, entropy
 
 
-def _chunked(logits, target, chunk_size):  # type: ignore[no-untyped-def]
+def _chunked(logits: Any, target: Any, chunk_size: int) -> tuple[Any, Any]:
     from megatron_rl.logprobs import vocab_parallel_logprobs
 
     out = vocab_parallel_logprobs(logits, target, chunk_size=chunk_size or None, use_te=False)

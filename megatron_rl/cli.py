@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from .console import quiet_third_party
+
 # Order is the order shown in `megatron-rl --help`.
 COMMAND_MODULES: tuple[str, ...] = (
     "demo",
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_third_party()
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -267,12 +267,11 @@ def _server_per_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
 @rule("reward-names")
 def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
-    from .rewards.registry import available_rewards
+    """The task and every reward load (a plugin's import runs here, before any model starts)."""
+    from .tasks import plugin_problems
 
-    known = available_rewards()
-    return [Finding("error", "reward-names", f"rewards.weights.{name}",
-                    f"unknown reward function; allowed: {', '.join(sorted(known))}")
-            for name in cfg.rewards.weights if name not in known]
+    return [Finding("error", "reward-names", key, message)
+            for key, message in plugin_problems(cfg.task, cfg.rewards.weights)]
 
 
 def missing_paths(cfg: Any, prefix: str = "") -> list[Finding]:

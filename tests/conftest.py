@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.console import KNOWN_WARNINGS, quiet_third_party
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Two cores: keep each test process from oversubscribing them.
@@ -19,6 +21,15 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hide the known third-party warnings the CLI hides (megatron-core imported in-process); ours
+    still show. pytest resets `warnings` filters around collection and each test, so they go in
+    as `filterwarnings` lines."""
+    quiet_third_party()
+    for category, message, module in KNOWN_WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__name__}:{module}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

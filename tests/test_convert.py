@@ -151,6 +151,7 @@ def assert_identical(a: Path, b: Path) -> None:
 
 
 # ------------------------------------------------------------------ round trips and parity
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_round_trip_is_bit_identical(run: dict[str, Any], case: str) -> None:
     got = run["result"]["cases"][case]["roundtrip"]
@@ -162,6 +163,7 @@ def test_round_trip_is_bit_identical(run: dict[str, Any], case: str) -> None:
         assert len(list(Path(out).glob("model-*.safetensors"))) >= 3     # max_shard_bytes honoured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_transformers(run: dict[str, Any], case: str) -> None:
     parity = run["result"]["cases"][case]["parity"]
@@ -172,6 +174,7 @@ def test_logits_match_transformers(run: dict[str, Any], case: str) -> None:
 
 
 # ------------------------------------------------------------------ failures
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,names", [
     ("missing", ["missing: model.layers.1.mlp.experts.3.up_proj.weight (expected shape [64, 64])",
                  "missing: model.norm.weight (expected shape [64])"]),
@@ -189,11 +192,13 @@ def test_mismatched_checkpoint_is_listed_and_nothing_written(run: dict[str, Any]
     assert got["left"] == []
 
 
+@pytest.mark.slow
 def test_all_mismatches_come_in_one_error(run: dict[str, Any]) -> None:
     got = run["result"]["failures"]["all_three"]
     assert got["type"] == "ConversionError" and len(got["problems"]) == 5 and got["left"] == []
 
 
+@pytest.mark.slow
 def test_truncated_shard_fails_midway_and_leaves_nothing(run: dict[str, Any]) -> None:
     got = run["result"]["failures"]["truncated"]
     assert got["type"] == "CheckpointError"
@@ -201,6 +206,7 @@ def test_truncated_shard_fails_midway_and_leaves_nothing(run: dict[str, Any]) ->
     assert got["left"] == []                 # neither the output nor its temporary directories
 
 
+@pytest.mark.slow
 def test_interrupted_export_leaves_nothing(run: dict[str, Any]) -> None:
     got = run["result"]["failures"]["interrupted_export"]
     assert got["type"] == "RuntimeError" and "simulated interruption" in got["message"]
@@ -214,6 +220,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_lists_mismatches_and_exits_1(run: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "mc"
     proc = _cli("hf-to-mcore", "--hf", run["spec"]["broken"]["all_three"], "--out", str(out))
@@ -223,6 +230,7 @@ def test_cli_lists_mismatches_and_exits_1(run: dict[str, Any], tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_cli_exports_and_refuses_to_overwrite(run: dict[str, Any], tmp_path: Path) -> None:
     case = run["spec"]["cases"][EXPORT_CASE]
     mc, out, stats = Path(case["work"]) / f"mc_{case['layouts'][1]}", tmp_path / "hf", tmp_path / "stats.json"

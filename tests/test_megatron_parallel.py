@@ -11,6 +11,7 @@ import yaml
 from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
 from tests.mp.launch import REPO, torchrun
 
+pytestmark = pytest.mark.slow                   # every test here starts 2 torchrun workers
 TINY_FIELDS = yaml.safe_load((REPO / "recipes/tiny/base.yaml").read_text())["model"]["tiny"]
 # Losses agree to fp32 reduction-order noise. Weights after 2 Adam steps (lr 1e-3) differ more:
 # Adam divides by sqrt(v), so parameters whose gradient is ~0 turn round-off into updates of up

@@ -140,6 +140,7 @@ def _check_against_hf(got: dict[str, Any], name: str) -> None:
         assert got["max_logit_diff"] <= LOGIT_ATOL, (name, got["max_logit_diff"])
 
 
+@pytest.mark.slow
 def test_single_process_matches_hf_round_trips_and_trains(single_process: dict[str, Any]) -> None:
     _check_against_hf(single_process, "tp1")
     assert single_process["losses"][0] != single_process["losses"][1]     # the first step changed the policy
@@ -148,6 +149,7 @@ def test_single_process_matches_hf_round_trips_and_trains(single_process: dict[s
     assert gdn_grads and all(g.abs().max() > 0 for g in gdn_grads)         # backward reaches the GDN layers
 
 
+@pytest.mark.slow
 def test_parallel_layouts_match_single_process(tiny: tuple[Path, Path], tmp_path: Path,
                                                single_process: dict[str, Any]) -> None:
     layouts = ("tp2_sp", "ep2", "pp2")          # one torchrun: most of its time is imports

@@ -324,6 +324,7 @@ def log_of(run: Path, job: str) -> str:
     return (run / "slurm" / f"{job}.out").read_text()
 
 
+@pytest.mark.slow
 def test_sbatch_reads_quoted_options_literally(slurm: dict[str, str], tmp_path: Path) -> None:
     """sbatch parses #SBATCH lines itself: the quoted job name and log path must arrive intact."""
     job, run = submit(slurm, tmp_path / "out dir", "held", "slurm.job_name='name with $(x) spaces'",

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from megatron_rl.tasks import resolve_task
 from megatron_rl.train.batch import build_batch, kl_penalty, score_groups, set_advantages
 from megatron_rl.train.data_order import DataOrder
 from megatron_rl.types import RolloutGroup, Sample
@@ -29,11 +30,11 @@ def test_batch_aligns_masks_and_rollout_logprobs_to_target_positions() -> None:
     # Prompt 0 answers "a" (right) then "b"; prompt 1 answers "c" twice (right): rewards 1, 0, 1, 1.
     gs[1].samples[1].response_ids = [99, 11]
     texts[(99, 11)] = "[ans]c[/ans]"
-    score_groups(gs, {"mcq_answer": 1.0}, decode=lambda ids: texts[tuple(ids)])
+    task_metrics = score_groups(gs, resolve_task("mcq", {"mcq_answer": 1.0}), decode=lambda ids: texts[tuple(ids)])
     scored = build_batch(gs, seq_len=8, pad_id=0)
     assert scored.rewards.tolist() == [1.0, 0.0, 1.0, 1.0]
     assert scored.reward_parts["mcq_answer"].tolist() == [1.0, 0.0, 1.0, 1.0]
-    assert scored.format_ok.tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert task_metrics == {"format_rate": 1.0, "accuracy": 0.75}
     b = scored.batch
     s = gs[0].samples[1]                           # prompt [5, 6], response [11, 11, 12]
     assert b.tokens[1].tolist() == [5, 6, 11, 11, 12, 0, 0, 0]

@@ -20,7 +20,7 @@ def test_a_run_with_eval_path_logs_eval_metrics(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["eval/prompts"] == 12
-        # One greedy sample per prompt, scored with the recipe's rewards (mcq_answer, weight 1).
+        # One greedy sample per prompt, scored with the task's rewards (mcq: mcq_answer, weight 1).
         assert r["eval/reward_mean"] == pytest.approx(r["eval/reward/mcq_answer_mean"]) == r["eval/accuracy"]
         assert r["eval/accuracy"] * 12 == pytest.approx(round(r["eval/accuracy"] * 12))   # k of 12 right
         assert 0 < r["eval/response_length_mean"] <= 16
@@ -33,6 +33,7 @@ def _group(record: dict, text: str) -> RolloutGroup:
 
 
 def test_igakuqa_eval_prompts_are_scored_with_the_benchmark_rule() -> None:
+    from megatron_rl.tasks import resolve_task
     from megatron_rl.train.eval_phase import eval_metrics
 
     def q(pid: str, answer: list[str], points: int, kinki: list[str] = (), alternatives: list = ()) -> dict:
@@ -47,7 +48,7 @@ def test_igakuqa_eval_prompts_are_scored_with_the_benchmark_rule() -> None:
                       "metadata": {}}, "[ans]a[/ans]")]                              # not IgakuQA: not counted
     for g in groups:
         g.rewards, g.reward_parts = [1.0], [{"mcq_answer": 1.0}]
-    m = eval_metrics(groups)
+    m = eval_metrics(groups, resolve_task("igakuqa", {"mcq_answer": 1.0}))
     assert m["eval/igakuqa/questions"] == 4
     assert m["eval/igakuqa/accuracy"] == pytest.approx(3 / 4)
     assert m["eval/igakuqa/score"] == pytest.approx(5 / 6)

@@ -249,8 +249,9 @@ class EvaluationConfig:
 
 @dataclass
 class RewardsConfig:
-    weights: dict[str, float] = spec(factory=lambda: {"mcq_answer": 1.0})
-    """Reward function name → weight; the sample's reward is the weighted sum."""
+    weights: dict[str, float] = spec(factory=dict)
+    """Reward → weight; the sample's reward is the weighted sum. A reward is a registered name
+    (`mcq_answer`, ...) or `module.path:function` taking (response, sample). Empty = the task's."""
 
 
 @dataclass
@@ -393,6 +394,9 @@ class RecipeConfig:
     """Datasets."""
     evaluation: EvaluationConfig = spec(factory=EvaluationConfig)
     """Periodic evaluation during training."""
+    task: str = "mcq"
+    """The task (prompt format, rewards, scorer): a built-in name (mcq, igakuqa, medmcqa), a module
+    path whose module defines `TASK`, or `module.path:attribute` of a `megatron_rl.tasks.Task`."""
     rewards: RewardsConfig = spec(factory=RewardsConfig)
     """Reward functions and weights."""
     trainer: TrainerConfig = spec(factory=TrainerConfig)

@@ -33,7 +33,7 @@ def supervised_warmup(model_dir: Path, out_dir: Path, pairs: list[tuple[list[int
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         batch = rng.sample(pairs, batch_size)
         width = max(len(seq) for seq, _ in batch)
         ids = torch.zeros(batch_size, width, dtype=torch.long)

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +108,12 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs["pin_memory"] = False
         if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
+        if getattr(func, "__self__", None) is torch.Tensor.grad and args and not args[0].is_leaf:
+            # The distributed optimizer's zero_grad reads `.grad` of its fp32 shard views (non-leaf);
+            # torch answers None and warns, and inside this mode the warning names this file.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

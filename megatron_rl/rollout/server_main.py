@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 OPEN_PATHS = ("/health", "/ping")
 
@@ -22,7 +23,7 @@ def _guard_every_route() -> None:
     from starlette.responses import JSONResponse
     from vllm.entrypoints.serve.middleware import authenticate
 
-    def call(self, scope, receive, send):  # type: ignore[no-untyped-def]
+    def call(self: Any, scope: Any, receive: Any, send: Any) -> Any:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))

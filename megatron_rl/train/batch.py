@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import compute_advantages
-from ..rewards.mcq import extract_answer
-from ..rewards.registry import combine
+from ..tasks import LoadedTask
 from ..types import RolloutGroup, TrainBatch
 
 
@@ -18,23 +17,25 @@ class ScoredRollout:
     batch: TrainBatch
     rewards: torch.Tensor
     reward_parts: dict[str, torch.Tensor]
-    format_ok: torch.Tensor
     response_lengths: torch.Tensor
     zero_variance_frac: float
     group_size: int
 
 
-def score_groups(groups: Sequence[RolloutGroup], weights: dict[str, float],
-                 decode: Callable[[list[int]], str]) -> None:
-    """Fill each group's rewards (weighted sum) and per-function parts."""
+def score_groups(groups: Sequence[RolloutGroup], task: LoadedTask,
+                 decode: Callable[[list[int]], str]) -> dict[str, float]:
+    """Fill each group's rewards (weighted sum) and per-function parts; returns the task's batch
+    metrics (format rate, accuracy)."""
     for g in groups:
         g.rewards, g.reward_parts = [], []
         for s in g.samples:
             text = decode(s.response_ids)
             s.text = text
-            total, parts = combine(weights, text, g.record)
+            total, parts = task.reward(text, g.record)
             g.rewards.append(total)
             g.reward_parts.append(parts)
+    return task.batch_metrics([s.text for g in groups for s in g.samples],
+                              [g.record for g in groups for _ in g.samples])
 
 
 def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int) -> ScoredRollout:
@@ -60,10 +61,9 @@ def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int) -> Sc
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     names = sorted(groups[0].reward_parts[0]) if groups and groups[0].reward_parts else []
     parts = {k: torch.tensor([p[k] for g in groups for p in g.reward_parts]) for k in names}
-    fmt = torch.tensor([extract_answer(s.text) is not None for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
     batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(n), rollout_logprobs=rollout_lp)
-    return ScoredRollout(batch, rewards, parts, fmt, lengths, 0.0, len(groups[0].samples))
+    return ScoredRollout(batch, rewards, parts, lengths, 0.0, len(groups[0].samples))
 
 
 def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float) -> torch.Tensor:

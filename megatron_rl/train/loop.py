@@ -9,10 +9,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
+from ..console import Progress
 from ..objectives.chord import optimizer_step
+from ..tasks import resolve_task
 from .batch import build_batch, kl_penalty, score_groups, set_advantages
 from .eval_phase import evaluate, load_eval_set
 from .metrics_log import MetricsLog, console_line
+from .report import startup_summary
 from .rollout_phase import generate_groups
 from .session import Session, Stop, timed
 from .setup import export_hf, init_process_group, make_run_dir
@@ -20,26 +23,27 @@ from .step_parts import minibatches, probe_batch, sft_batch, step_metrics
 
 
 def train(cfg: RecipeConfig, resume: bool = False) -> Path:
+    task = resolve_task(cfg.task, cfg.rewards.weights)      # a bad plugin fails before any model
     init_process_group()
     run_dir = make_run_dir(cfg, resume)
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    session = Session(cfg, run_dir)
+    session = Session(cfg, run_dir, task)
     total, prompts_per_step = session.total_steps, session.prompts_per_step
     start = session.resume() if resume else 0
     log = MetricsLog(run_dir, start, cfg.logging.tensorboard, cfg.logging.wandb_project, run_dir.name, {})
     session.install_signal_handlers()
     seq_len = r.max_prompt_length + r.max_response_length
     pad = session.tokenizer.pad_token_id or 0
-    probe = probe_batch(session, seq_len, pad)
+    probe = probe_batch(session, seq_len, pad, task.task.probe_response)
     objective = cfg.algorithm                    # what the objectives read, as the recipe wrote it
-    eval_set = load_eval_set(cfg, session.tokenizer)
+    eval_set = load_eval_set(cfg, session.tokenizer, task)
     try:
         session.start_server()
         session.sync()
         first = session.verify(probe)
         if session.rank0:
-            print(f"[sync] initial weights verified: max |Δ log-prob| {first['sync/verify_max_abs_diff']:.2g}",
-                  flush=True)
+            print(startup_summary(cfg, session, task, start, first["sync/verify_max_abs_diff"]), flush=True)
+        progress = Progress(start + 1, total)
         bad_in_row = 0
         for step in range(start + 1, total + 1):
             timings: dict[str, float] = {}
@@ -47,7 +51,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             with timed(timings, "rollout"):
                 groups = _rollout(session, indices, step)
             with timed(timings, "reward"):
-                score_groups(groups, cfg.rewards.weights, _decoder(session))
+                task_metrics = score_groups(groups, task, _decoder(session))
                 scored = build_batch(groups, seq_len, pad)
             batch = scored.batch
             with timed(timings, "logprobs"):
@@ -75,14 +79,15 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
                     extra.update(session.verify(probe))
             if eval_set is not None and step % cfg.evaluation.interval == 0:
                 with timed(timings, "eval"):
-                    extra.update(evaluate(session, eval_set))
+                    extra.update(evaluate(session, eval_set, task))
             metrics = step_metrics(scored, batch, updates, timings, extra, session.version)
+            metrics.update(task_metrics)
             if penalty is not None:
                 metrics["kl_in_reward/mean"] = float(penalty.mean())
             metrics.update({"data/epoch": session.order.epoch, "data/position": session.order.position})
             log.log(step, metrics)
             if session.rank0 and step % cfg.logging.log_interval == 0:
-                print(console_line(step, total, metrics), flush=True)
+                print(console_line(progress.line(step), metrics), flush=True)
             session.agree_on_stop()
             interval = cfg.checkpoint.save_interval
             if (interval and step % interval == 0) or session.stop_signal or step == total:

@@ -47,8 +47,9 @@ class MetricsLog:
             self.tb.close()
 
 
-def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
-    parts = [f"step {step:>4}/{total}"]
+def console_line(progress: str, metrics: dict[str, float]) -> str:
+    """One step: the progress bar (`console.Progress.line`), then the headline metrics."""
+    parts = [progress]
     for key, short in CONSOLE_KEYS:
         if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
             parts.append(f"{short} {metrics[key]:.3g}")

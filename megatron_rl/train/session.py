@@ -24,6 +24,7 @@ from ..megatron.providers import build_model_recipe
 from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
+from ..tasks import LoadedTask
 from ..types import TrainBatch
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
@@ -42,7 +43,7 @@ class Stop(Exception):
 
 
 class Session:
-    def __init__(self, cfg: RecipeConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: RecipeConfig, run_dir: Path, task: LoadedTask) -> None:
         from transformers import AutoTokenizer
 
         self.cfg, self.run_dir = cfg, run_dir
@@ -58,7 +59,7 @@ class Session:
             else torch.float32
         t, a = cfg.trainer, cfg.algorithm
         self.prompts = load_prompts(_require(cfg.data.train_path, "data.train_path"), self.tokenizer,
-                                    cfg.rollout.max_prompt_length, cfg.data.on_malformed)
+                                    cfg.rollout.max_prompt_length, cfg.data.on_malformed, task.task.prompt)
         self.prompts_per_step = t.global_batch_size * a.steps_per_generation // cfg.rollout.n
         self.total_steps = t.max_steps or t.epochs * math.ceil(len(self.prompts.records) / self.prompts_per_step)
         updates = self.total_steps * a.steps_per_generation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,13 @@ class Prompts:
     dicts: list[dict[str, Any]]
 
 
-def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed: str) -> Prompts:
+def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed: str,
+                 prompt: Callable[[PromptRecord], list[dict[str, str]]]) -> Prompts:
+    """Prompt records rendered by the task's prompt format; longer than the budget = dropped."""
     records = read_prompts(path, on_malformed=on_malformed)
     kept, ids = [], []
     for r in records:
-        tokens = list(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
+        tokens = list(tokenizer.apply_chat_template(prompt(r), add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
         if len(tokens) <= max_prompt_length:
             kept.append(r)

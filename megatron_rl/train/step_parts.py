@@ -19,7 +19,8 @@ def minibatches(batch: TrainBatch, count: int) -> Iterator[TrainBatch]:
         yield batch.rows(i * size, (i + 1) * size)
 
 
-def _pack(sequences: list[list[int]], prompt_lengths: list[int], seq_len: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(sequences: list[list[int]], prompt_lengths: list[int], seq_len: int,
+          pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.full((len(sequences), seq_len), pad, dtype=torch.long)
     mask = torch.zeros(len(sequences), seq_len - 1)
     for i, (seq, plen) in enumerate(zip(sequences, prompt_lengths)):
@@ -36,10 +37,10 @@ def sft_batch(session: Any, seq_len: int, pad: int) -> tuple[torch.Tensor, torch
     return _pack([r[1:] for r in rows], [r[0] for r in rows], seq_len, pad)
 
 
-def probe_batch(session: Any, seq_len: int, pad: int, count: int = 4) -> TrainBatch:
-    """A fixed batch for sync verification: the first prompts, each followed by an answer."""
+def probe_batch(session: Any, seq_len: int, pad: int, response: str, count: int = 4) -> TrainBatch:
+    """A fixed batch for sync verification: the first prompts, each followed by `response`."""
     tok = session.tokenizer
-    answer = tok("[ans]a[/ans]", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    answer = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     prompts = session.prompts.token_ids[:count]
     tokens, mask = _pack([p + answer for p in prompts], [len(p) for p in prompts], seq_len, pad)
     return TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(len(prompts)))
@@ -52,14 +53,11 @@ def _masked_mean_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> fl
 def step_metrics(scored: ScoredRollout, batch: TrainBatch, updates: list[dict[str, float]],
                  timings: dict[str, float], extra: dict[str, float], version: int) -> dict[str, float]:
     m: dict[str, float] = {"reward/mean": float(scored.rewards.mean()), "reward/std": float(scored.rewards.std()),
-                           "format_rate": float(scored.format_ok.mean()),
                            "response_length/mean": float(scored.response_lengths.mean()),
                            "zero_variance_group_frac": scored.zero_variance_frac, "weight_version": version}
     for name, values in scored.reward_parts.items():
         m[f"reward/{name}/mean"] = float(values.mean())
         m[f"reward/{name}/std"] = float(values.std())
-    if "mcq_answer" in scored.reward_parts:
-        m["accuracy"] = float(scored.reward_parts["mcq_answer"].mean())
     m["mismatch/abs_mean"] = _masked_mean_abs(batch.old_logprobs, batch.rollout_logprobs, batch.mask)
     last = updates[-1]
     for key, value in last.items():

@@ -225,6 +225,9 @@ if __name__ == "__main__":
     from ..megatron import cpu_compat
 
     cpu_compat.apply()   # before convert_worker imports megatron-core
+    from ..console import quiet_third_party
+
+    quiet_third_party()
     from .convert_worker import main
 
     sys.exit(main(sys.argv[1:]))
