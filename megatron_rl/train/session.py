@@ -24,13 +24,13 @@ from ..megatron.providers import ParallelLayout, build_model_recipe
 from ..model_config import read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
+from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
 from ..types import TrainBatch
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
 from ..weights.sync import FanoutTransport, sync_weights
 from ..weights.transport_file import FileTransport
 from .data_order import DataOrder
-from .rollout_phase import ServerSupervisor
 from .setup import load_prompts, load_sft_tokens
 
 
@@ -85,6 +85,9 @@ class Session:
         self.servers: list[RolloutServer] = []
         self.transports: list[FileTransport] = []
         self.clients: list[RolloutClient] = []
+        self.supervisors: list[ServerSupervisor] = []
+        self.resync_restored = False
+        """The first sync after a resume re-sends the checkpointed weights under their own version."""
         self.transport: FileTransport | FanoutTransport | None = None
         self.client: RolloutClient | MultiClient | None = None
         self.stop_signal: str | None = None
@@ -117,9 +120,12 @@ class Session:
             server.start()
             self.servers = [server]
         self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
+        self.supervisors = [ServerSupervisor(s, t) for s, t in zip(self.servers, self.transports)]
+        for transport, supervisor in zip(self.transports, self.supervisors):
+            transport.supervise = supervisor.call
         self.clients = [RolloutClient.for_server(s, max_concurrency=r.max_concurrency, timeout_s=r.request_timeout_s,
-                                                 max_retries=r.max_retries, on_failure=ServerSupervisor(s, t))
-                        for s, t in zip(self.servers, self.transports)]
+                                                 max_retries=r.max_retries, on_failure=sup)
+                        for s, sup in zip(self.servers, self.supervisors)]
         self.transport = self.transports[0] if len(self.transports) == 1 else FanoutTransport(self.transports)
         self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)
 
@@ -129,7 +135,8 @@ class Session:
 
     def sync(self) -> dict[str, float]:
         """Push the actor's weights to the server under a new version (collective)."""
-        self.version += 1
+        self.version += 0 if self.resync_restored else 1
+        self.resync_restored = False
         report = sync_weights(self.actor.model, self.adapter, self.transport, self.version, self.dtype)
         if report is None:
             return {}
@@ -141,8 +148,12 @@ class Session:
         diff = torch.zeros(())
         if self.rank0:
             seqs = [row[: int(m.nonzero().max()) + 2].tolist() for row, m in zip(probe.tokens, probe.mask)]
-            for client in self.clients:                      # every server must agree
-                for i, lp in enumerate(client.prompt_logprobs(seqs)):
+            expected = ProbeExpectation(self.version, seqs, [
+                [float(trainer_lp[i, j]) if probe.mask[i, j] > 0 else None for j in range(len(seq) - 1)]
+                for i, seq in enumerate(seqs)], self.cfg.rollout.verify_tolerance)
+            for client, supervisor in zip(self.clients, self.supervisors):     # every server must agree
+                supervisor.expected = expected                  # what a restarted server is checked against
+                for i, lp in enumerate(supervisor.call("the sync verification", client.prompt_logprobs, seqs)):
                     mask = probe.mask[i, :len(lp)] > 0
                     got = torch.tensor(lp)[mask]
                     diff = torch.maximum(diff, (got - trainer_lp[i, :len(lp)][mask]).abs().max())
@@ -175,6 +186,7 @@ class Session:
             self.sft_order.load(extra["sft_order"])
         random.setstate(_decode_random_state(extra["py_random"]))
         self.version = int(extra["version"])
+        self.resync_restored = True
         if self.rank0:
             print(f"[resume] from {latest} (step {extra['step']})", flush=True)
         return int(extra["step"])
@@ -196,8 +208,8 @@ class Session:
 
     def reseed_servers(self, step: int) -> None:
         seed = (self.cfg.trainer.seed * 1_000_003 + step) % (2**31 - 1)
-        for server in self.servers:
-            server.rpc("mrl_reseed", str(seed))
+        for server, supervisor in zip(self.servers, self.supervisors):
+            supervisor.call("the per-step reseed", server.rpc, "mrl_reseed", str(seed))
 
     def close(self) -> None:
         for transport in self.transports:

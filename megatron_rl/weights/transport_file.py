@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -38,6 +39,10 @@ class ControlEndpoint(Protocol):
              timeout: float = 600.0) -> Any: ...
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]: ...
+
+
+def _direct(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def _shm_root() -> Path:
@@ -127,6 +132,8 @@ class FileTransport:
         self.overwritten = False
         """An update began over the latest one's bytes (in place) and did not finish."""
         self.version = 0
+        self.supervise: Callable[..., Any] = _direct
+        """Runs each server-side load (`ServerSupervisor.call`: restarts a dead server, redoes it)."""
 
     def begin(self, version: int) -> None:
         if self.in_place:
@@ -174,20 +181,27 @@ class FileTransport:
             if not self.in_place:
                 self._flush()
             manifest = self._manifest()
-            self.server.post("/pause", params={"mode": "wait"})
-            try:
-                (result,) = self.server.rpc("mrl_update", str(self.version), manifest)
-                self.server.post("/reset_prefix_cache")
-            finally:
-                self.server.post("/resume")
         except BaseException:
             self.abort()
             raise
-        if not self.in_place and self.latest is not None:
-            shutil.rmtree(self.latest[2], ignore_errors=True)
+        # The bytes are complete: from here a server restarted mid-load is brought to this version.
+        previous = self.latest
         self.latest, self.overwritten = (self.version, manifest, self.dir), False
         if not self.in_place:
             self.dir = None
+        result = self.supervise("the weight sync", self._load, self.version, manifest)
+        if not self.in_place and previous is not None:
+            shutil.rmtree(previous[2], ignore_errors=True)
+        return result
+
+    def _load(self, version: int, manifest: str) -> dict[str, Any]:
+        """pause → update → reset prefix cache → resume; redone from the start if the server died."""
+        self.server.post("/pause", params={"mode": "wait"})
+        try:
+            (result,) = self.server.rpc("mrl_update", str(version), manifest)
+            self.server.post("/reset_prefix_cache")
+        finally:
+            self.server.post("/resume")
         return result
 
     def resend_latest(self) -> dict[str, Any] | None:
