@@ -294,6 +294,11 @@ def write_resolved(cfg: Any, run_dir: str | Path, name: str = "recipe.resolved.y
     out = Path(run_dir) / name
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(dump_yaml(cfg), encoding="utf-8")
+    text = dump_yaml(cfg)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot write {out} ({len(text.encode())} bytes): {exc.strerror}") from exc
     tmp.replace(out)
     return out

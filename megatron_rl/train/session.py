@@ -19,11 +19,13 @@ import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, OptimSettings, init_parallel
-from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from ..megatron.checkpoint import (latest_checkpoint, load_checkpoint, prune_checkpoints, remove_partial_checkpoints,
+                                  save_checkpoint)
 from ..megatron.providers import ParallelLayout, build_model_recipe
 from ..model_config import read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
+from ..rollout.shm import remove_stale as remove_stale_shm
 from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
 from ..types import TrainBatch
 from ..weights.adapters import adapter_for
@@ -104,6 +106,9 @@ class Session:
         nodes — every server listed under $MEGATRON_RL_ROLLOUT_SERVERS (`*/rollout/server.json`)."""
         if not self.rank0:
             return
+        freed = remove_stale_shm()
+        if freed:
+            print(f"[rollout] removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs", flush=True)
         r = self.cfg.rollout
         external = os.environ.get(EXTERNAL_SERVERS_ENV)
         sync_root = None
@@ -177,6 +182,9 @@ class Session:
 
     def resume(self) -> int:
         """Load the latest complete checkpoint; returns the step it ended (0 = none)."""
+        if self.rank0:
+            for stale in remove_partial_checkpoints(self.run_dir / "checkpoints"):
+                print(f"[resume] removed {stale}: a save that did not finish", flush=True)
         latest = latest_checkpoint(self.run_dir / "checkpoints")
         if latest is None:
             return 0

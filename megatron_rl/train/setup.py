@@ -21,12 +21,16 @@ def init_process_group() -> None:
     """torchrun sets the rendezvous; a plain `python` run is a world of one on loopback."""
     if dist.is_initialized():
         return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:
-        from ..rollout.server import free_port
-
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port("127.0.0.1")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # A world of one needs no rendezvous: an in-process store instead of a TCPStore, which
+        # would listen unauthenticated on every interface for the whole run; gloo's own pair
+        # socket stays on loopback.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    dist.init_process_group(backend)
 
 
 def make_run_dir(cfg: RecipeConfig, resume: bool) -> Path:
@@ -34,13 +38,21 @@ def make_run_dir(cfg: RecipeConfig, resume: bool) -> Path:
     name = cfg.logging.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run = Path(cfg.logging.output_dir) / name
     if dist.get_rank() == 0:
-        if run.exists() and not resume and any(run.iterdir()):
+        if run.exists() and not resume and any(run.iterdir()) and not never_started(run):
             raise FileExistsError(f"run dir {run} exists; pass --resume to continue it or pick another "
                                   "logging.run_name")
         run.mkdir(parents=True, exist_ok=True)
         write_resolved(cfg, run)
     dist.barrier()
     return run
+
+
+def never_started(run: Path) -> bool:
+    """A run dir whose run failed before its first step (no metrics, no checkpoint): nothing in it
+    is worth keeping, so it neither blocks a fresh run under the same name nor survives the failure."""
+    metrics = run / "metrics.jsonl"
+    logged = metrics.is_file() and metrics.stat().st_size > 0
+    return not logged and not any((run / "checkpoints").glob("step_*"))
 
 
 def objective_config(cfg: RecipeConfig) -> ObjectiveConfig:

@@ -23,12 +23,14 @@ import mmap
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+
+from ..rollout.shm import SYNC_PREFIX
 
 ALIGN = 64
 """Byte alignment of every tensor in a segment (any dtype view of the bytes is aligned)."""
@@ -138,7 +140,8 @@ class FileTransport:
     def begin(self, version: int) -> None:
         if self.in_place:
             if self.dir is None:
-                self.dir = Path(tempfile.mkdtemp(prefix="megatron-rl-sync-", dir=_shm_root()))
+                # The pid in the name lets a later run tell a dead run's segments (rollout/shm.py).
+                self.dir = Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-", dir=_shm_root()))
             self.overwritten = self.latest is not None or self.overwritten
             self.latest = None
         else:
