@@ -104,6 +104,7 @@ def save_checkpoint(actor: Actor, directory: str | Path, extra: dict[str, Any] |
         tmp.mkdir(parents=True)
     dist.barrier()
     state = _without_view_clones(_sharded_state(actor, is_loading=False))
+    need = _state_bytes(state) * dist.get_world_size()     # before the save, which consumes the state
     try:
         dist_checkpointing.save(state, str(tmp))
         rng_dir = tmp / "rng"
@@ -122,13 +123,13 @@ def save_checkpoint(actor: Actor, directory: str | Path, extra: dict[str, Any] |
                 shutil.rmtree(final)
             tmp.rename(final)
             _fsync_dir(final.parent)
-    except Exception as exc:
+    except BaseException as exc:       # torch's CheckpointException is not an Exception
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if _disk_full(exc, tmp.parent, _state_bytes(state) * dist.get_world_size()):
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc, tmp.parent, need):
             raise DiskFullError(f"checkpoint {final}: no space left on the device of {tmp.parent} "
-                                f"(needs about {_state_bytes(state) * dist.get_world_size() / 2**20:.0f} MiB, "
-                                f"{shutil.disk_usage(tmp.parent).free / 2**20:.0f} MiB free); the partial save was "
+                                f"(needs about {need / 2**20:.1f} MiB, "
+                                f"{shutil.disk_usage(tmp.parent).free / 2**20:.1f} MiB free); the partial save was "
                                 "removed, earlier checkpoints and metrics are intact") from exc
         raise
     dist.barrier()

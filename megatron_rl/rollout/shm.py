@@ -78,16 +78,16 @@ def stale_vllm_segments(root: Path = SHM, min_age_s: float = 60.0, among: Iterab
 
 
 def remove_stale(min_age_s: float = 60.0, root: Path = SHM) -> int:
-    """Remove the leftovers of dead runs; returns the bytes they held (apparent size)."""
+    """Remove the leftovers of dead runs; returns the bytes of memory they held."""
     if not root.is_dir():
         return 0
     freed = 0
     for d in stale_sync_dirs(root):
-        freed += sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        freed += sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file())
         shutil.rmtree(d, ignore_errors=True)
     for f in stale_vllm_segments(root, min_age_s):
         try:
-            freed += f.stat().st_size
+            freed += f.stat().st_blocks * 512
             f.unlink()
         except OSError:
             pass

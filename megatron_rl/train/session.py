@@ -33,7 +33,7 @@ from ..weights.loading import load_hf_into_model
 from ..weights.sync import FanoutTransport, sync_weights
 from ..weights.transport_file import FileTransport
 from .data_order import DataOrder
-from .setup import load_prompts, load_sft_tokens
+from .setup import load_prompts, load_sft_tokens, require_eos
 
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
@@ -60,6 +60,7 @@ class Session:
         self.hf = read_hf_config(self.hf_dir)
         self.adapter = adapter_for(self.hf)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or self.hf_dir)
+        require_eos(self.tokenizer, cfg.model.tokenizer or self.hf_dir)
         self.dtype = torch.bfloat16 if (cfg.model.params_dtype == "bf16" or
                                         (cfg.model.params_dtype == "auto" and torch.cuda.is_available())) \
             else torch.float32

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
-from ..data.schema import PromptRecord, SFTRecord, read_prompts, read_sft
+from ..data.schema import DataError, PromptRecord, SFTRecord, read_prompts, read_sft
 from ..objectives import ObjectiveConfig
 
 
@@ -77,6 +77,8 @@ class Prompts:
 
 def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed: str) -> Prompts:
     records = read_prompts(path, on_malformed=on_malformed)
+    if not records:
+        raise DataError(f"{path}: no prompt records (empty file, or every line skipped as malformed)")
     kept, ids = [], []
     for r in records:
         tokens = list(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
@@ -85,7 +87,8 @@ def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed
             kept.append(r)
             ids.append(tokens)
     if not kept:
-        raise ValueError(f"{path}: no prompt fits rollout.max_prompt_length={max_prompt_length}")
+        raise DataError(f"{path}: none of its {len(records)} prompts fits rollout.max_prompt_length="
+                        f"{max_prompt_length} (chat template included)")
     dropped = len(records) - len(kept)
     if dropped and dist.get_rank() == 0:
         print(f"[data] {dropped} prompts longer than {max_prompt_length} tokens dropped", flush=True)
@@ -94,13 +97,25 @@ def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed
 
 def load_sft_tokens(path: str, tokenizer: Any, on_malformed: str) -> list[list[int]]:
     """Expert sequences (prompt + response + EOS) for CHORD's SFT stream, with the prompt length."""
+    eos = require_eos(tokenizer, path)
     out = []
-    for r in read_sft(path, on_malformed=on_malformed):
+    records = read_sft(path, on_malformed=on_malformed)
+    if not records:
+        raise DataError(f"{path}: no SFT records (the file has no non-blank line)")
+    for r in records:
         prompt = list(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
-        response = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        response = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [eos]
         out.append([len(prompt)] + prompt + response)
     return out
+
+
+def require_eos(tokenizer: Any, what: str) -> int:
+    """The tokenizer's EOS id: responses end there and SFT sequences get one appended."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"{what}: the tokenizer has no EOS token "
+                        "(eos_token in tokenizer_config.json); generations and SFT sequences would never end")
+    return int(tokenizer.eos_token_id)
 
 
 def export_hf(actor_model: torch.nn.Module, adapter: Any, src_hf_dir: str, out_dir: Path) -> None:
