@@ -141,6 +141,9 @@ def test_a_run_dir_without_a_step_does_not_block_a_rerun(tmp_path: Path) -> None
     assert never_started(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert not never_started(tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "notes.txt").write_text("someone else's")           # not a run's own file: never taken
+    assert not never_started(tmp_path)
 
 
 def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_dir = train(cfg, resume=args.resume)
-    except RUN_ERRORS() as exc:
+    except _run_errors() as exc:
         if os.environ.get("MEGATRON_RL_TRACEBACK"):
             raise
         _forget_unstarted_run(cfg)
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def RUN_ERRORS() -> tuple[type[BaseException], ...]:  # noqa: N802
+def _run_errors() -> tuple[type[BaseException], ...]:
     """What a run meets from its inputs and environment (data, model, tokenizer, disk, server) —
     reported as one line (MEGATRON_RL_TRACEBACK=1 shows the traceback). Anything else is a bug
     and keeps its traceback."""

@@ -47,12 +47,20 @@ def make_run_dir(cfg: RecipeConfig, resume: bool) -> Path:
     return run
 
 
+RUN_DIR_ENTRIES = {"recipe.resolved.yaml", "recipe.resolved.yaml.tmp", "rollout", "checkpoints", "tensorboard",
+                   "metrics.jsonl", "metrics.jsonl.tmp"}
+"""What a run writes into its run dir before (and at) its first step."""
+
+
 def never_started(run: Path) -> bool:
-    """A run dir whose run failed before its first step (no metrics, no checkpoint): nothing in it
-    is worth keeping, so it neither blocks a fresh run under the same name nor survives the failure."""
+    """A run dir of a run that failed before its first step: only what a run writes, no metrics,
+    no checkpoint. Nothing in it is worth keeping, so it neither blocks a fresh run under the same
+    name nor survives the failure. A directory holding anything else is never taken for one."""
+    names = {p.name for p in run.iterdir()} if run.is_dir() else set()
     metrics = run / "metrics.jsonl"
     logged = metrics.is_file() and metrics.stat().st_size > 0
-    return not logged and not any((run / "checkpoints").glob("step_*"))
+    return "recipe.resolved.yaml" in names and names <= RUN_DIR_ENTRIES and not logged \
+        and not any((run / "checkpoints").glob("step_*"))
 
 
 def objective_config(cfg: RecipeConfig) -> ObjectiveConfig:
