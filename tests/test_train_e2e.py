@@ -49,6 +49,27 @@ def _gone(pid: int, within_s: float) -> bool:
     return False
 
 
+def _non_loopback_listeners(trainer_pid: int, run: Path) -> set[str]:
+    """Listening TCP sockets of the trainer's process tree and its server's (own session) not on loopback."""
+    import psutil
+
+    roots = [trainer_pid]
+    try:
+        roots.append(json.loads((run / "rollout" / "server.json").read_text())["pid"])
+    except (OSError, ValueError):
+        pass
+    found = set()
+    for root in roots:
+        try:
+            procs = [psutil.Process(root)] + psutil.Process(root).children(recursive=True)
+            for p in procs:
+                found |= {f"{p.pid} {c.laddr.ip}:{c.laddr.port}" for c in p.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN and c.laddr.ip not in ("127.0.0.1", "::1")}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -106,8 +127,11 @@ def test_kill_and_resume_continues_the_uninterrupted_run(tmp_path: Path) -> None
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     marker = tmp_path / "killed" / "checkpoints" / "step_00000002" / "complete.json"
     deadline = time.monotonic() + 600
+    exposed: set[str] = set()
     while not marker.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        exposed |= _non_loopback_listeners(proc.pid, tmp_path / "killed")
         time.sleep(0.2)
+    assert not exposed                                         # trainer, store, server: loopback only
     os.killpg(proc.pid, signal.SIGKILL)                        # the trainer only: its server has its own group
     proc.wait()
     assert marker.is_file()
