@@ -115,9 +115,9 @@ class _MappedFile:
 class FileTransport:
     """One weight update at a time: begin → send_bucket* → finish (or abort).
 
-    The latest finished update stays where it was written until the next one begins, so a
-    restarted server can be brought to the current weights (`resend_latest`) without the trainer
-    ranks gathering again.
+    The latest complete update (every byte written; loaded, or being loaded) stays where it was
+    written until the next one begins, so a restarted server can be brought to the current weights
+    (`resend_latest`) without the trainer ranks gathering again — also when it died mid-load.
     """
 
     def __init__(self, server: ControlEndpoint, root: Path | None = None, segment_bytes: int = 512 << 20) -> None:
@@ -130,7 +130,7 @@ class FileTransport:
         self.layout = SegmentLayout(segment_bytes)
         self.tensors: list[list[Any]] = []
         self.latest: tuple[int, str, Path] | None = None
-        """(version, manifest, directory) of the latest finished update, while its bytes are intact."""
+        """(version, manifest, directory) of the latest complete update, while its bytes are intact."""
         self.overwritten = False
         """An update began over the latest one's bytes (in place) and did not finish."""
         self.version = 0
@@ -208,7 +208,7 @@ class FileTransport:
         return result
 
     def resend_latest(self) -> dict[str, Any] | None:
-        """Load the latest finished update into a (restarted) server again; None if there was none."""
+        """Load the latest complete update into a (restarted) server again; None if there was none."""
         if self.latest is None:
             if self.overwritten:
                 raise RuntimeError("the latest weights were partly overwritten by an update that did not "
