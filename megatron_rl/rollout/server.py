@@ -193,6 +193,7 @@ class RolloutServer:
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 _kill_group(self.proc.pid)
         _kill_group(self.proc.pid)     # engine-core children outlive a dead API process otherwise
+        _wait_group_gone(self.proc.pid, 10.0)
         self.proc = None
         if SHM.is_dir():                # what its killed processes could not unlink themselves
             new = set(os.listdir(SHM)) - self.shm_before
@@ -224,6 +225,34 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """A SIGKILLed process keeps its mappings until the kernel has torn it down (seconds for a big
+    one); its shared-memory files only count as unused after that. Zombies map nothing."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid_of(p) == pgid]
+        except OSError:
+            return
+        if all(_is_zombie(p) for p in members):
+            return
+        time.sleep(0.1)
+
+
+def _pgid_of(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _is_zombie(proc: Path) -> bool:
+    try:
+        return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _progress(text: str, end: str = "\r") -> None:
