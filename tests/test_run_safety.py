@@ -174,3 +174,24 @@ def test_input_problems_found_at_run_time_are_one_line_and_leave_no_run_dir(tmp_
         assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_when_writing_the_resolved_recipe_names_path_and_bytes_and_leaves_no_tmp(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    code = f"""
+from megatron_rl.config import load_recipe
+from megatron_rl.config.loader import write_resolved
+try:
+    write_resolved(load_recipe({str(REPO / 'recipes/tiny/grpo.yaml')!r}), {str(full)!r})
+except OSError as exc:
+    print("ERROR", exc)
+"""
+    (tmp_path / "write.py").write_text(code)
+    script = (f"mount -t tmpfs -o size=4k tmpfs {full} && head -c 4096 /dev/zero > {full}/filler; "
+              f"{sys.executable} {tmp_path / 'write.py'}; ls {full}")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert f"ERROR [Errno 28] cannot write {full}/recipe.resolved.yaml (" in out and " bytes): " in out, out + proc.stderr
+    assert out.strip().splitlines()[-1] == "filler"                   # no recipe.resolved.yaml.tmp left
