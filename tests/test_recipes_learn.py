@@ -26,4 +26,5 @@ def test_tiny_gspo_learns_within_its_shipped_steps(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "gspo" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"tiny GSPO, {len(rows)} steps: reward first 10 {first:.3f} -> last 10 {last:.3f}")
     assert len(rows) >= 40 and last > first + 0.05, (first, last)

