@@ -69,7 +69,7 @@ def stale_sync_dirs(root: Path = SHM) -> list[Path]:
     return stale
 
 
-def stale_vllm_segments(root: Path = SHM, min_age_s: float = 60.0, among: Iterable[str] | None = None) -> list[Path]:
+def stale_vllm_segments(root: Path = SHM, min_age_s: float = 10.0, among: Iterable[str] | None = None) -> list[Path]:
     """vLLM's shared-memory files (ours, older than `min_age_s`) that no live process maps."""
     mapped = mapped_paths()
     names = among if among is not None else (p.name for p in root.iterdir())
@@ -77,7 +77,7 @@ def stale_vllm_segments(root: Path = SHM, min_age_s: float = 60.0, among: Iterab
             and _ours_and_old(root / n, min_age_s)]
 
 
-def remove_stale(min_age_s: float = 60.0, root: Path = SHM) -> int:
+def remove_stale(min_age_s: float = 10.0, root: Path = SHM) -> int:
     """Remove the leftovers of dead runs; returns the bytes of memory they held."""
     if not root.is_dir():
         return 0
