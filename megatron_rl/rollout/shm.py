@@ -4,7 +4,8 @@ A killed trainer leaves its weight-sync segments (`megatron-rl-sync-<pid>-*`: a 
 weights), and a killed vLLM server — or one whose group is SIGKILLed with its resource tracker —
 leaves Python shared-memory blocks (`psm_*`) and semaphores (`sem.mp-*`). Nothing else removes
 them: they hold memory until the machine reboots. A file is stale when no live process maps it
-and, for sync segments, the process named in the directory is gone.
+and, for sync segments, the process named in the directory is gone. `psm_*` is any Python
+SharedMemory's name: a block of another program that nobody maps for 10 s is removed too.
 """
 
 from __future__ import annotations
