@@ -43,7 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     quiet_third_party()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides after an option (`train RECIPE --resume k=v`): argparse fills a positional list
+    # only once, so the later ones come back unrecognized.
+    if extra and isinstance(getattr(args, "overrides", None), list) and not any(x.startswith("-") for x in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args) or 0)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.rollout.client import RolloutClient, SamplingSettings
 from megatron_rl.rollout.server import RolloutServer
-from megatron_rl.train.rollout_phase import ServerSupervisor
+from megatron_rl.rollout.supervisor import ServerSupervisor
 from megatron_rl.weights.transport_file import FileTransport
 from tests.rollout_fixtures import demo_assets, start_server
 

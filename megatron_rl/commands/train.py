@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,12 +87,46 @@ def run(args: argparse.Namespace) -> int:
         return 1
     cpu_compat.apply()   # before the trainer imports megatron-core
     from ..train.loop import train
-    from ..train.session import Stop
 
     try:
         run_dir = train(cfg, resume=args.resume)
-    except (Stop, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except _run_errors() as exc:
+        if os.environ.get("MEGATRON_RL_TRACEBACK"):
+            raise
+        _forget_unstarted_run(cfg)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
     print(f"run dir: {run_dir}")
     return 0
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """What a run meets from its inputs and environment (data, model, tokenizer, disk, server) —
+    reported as one line (MEGATRON_RL_TRACEBACK=1 shows the traceback). Anything else is a bug
+    and keeps its traceback."""
+    import httpx
+
+    from ..megatron.checkpoint import OptimizerLayoutMismatch
+    from ..rollout.client import RolloutError
+    from ..rollout.server import ServerError
+    from ..rollout.supervisor import RestartCheckFailed
+    from ..train.session import Stop
+
+    return (Stop, ValueError, OSError, ServerError, RolloutError, RestartCheckFailed, OptimizerLayoutMismatch,
+            httpx.HTTPError)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or exc.__class__.__name__
+    return text if type(exc).__module__.startswith("megatron_rl") else f"{exc.__class__.__name__}: {text}"
+
+
+def _forget_unstarted_run(cfg) -> None:  # noqa: ANN001
+    """A run that failed before its first step leaves no run dir behind to block a re-run."""
+    from ..train.setup import never_started
+
+    if not cfg.logging.run_name:
+        return
+    run = Path(cfg.logging.output_dir) / cfg.logging.run_name
+    if run.is_dir() and never_started(run):
+        shutil.rmtree(run, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -32,6 +33,9 @@ def _node_to_python(node: yaml.Node, file: str, path: tuple[str, ...], pos: Posi
         for key_node, value_node in node.value:
             key = str(yaml.safe_load(yaml.serialize(key_node)))
             sub = path + (key,)
+            if key in out:      # YAML would keep the last one silently
+                raise ConfigError([Problem(f"{file}:{key_node.start_mark.line + 1}", ".".join(sub),
+                                           f"duplicate key (first set at {pos[sub]})")])
             pos[sub] = f"{file}:{key_node.start_mark.line + 1}"
             out[key] = _node_to_python(value_node, file, sub, pos)
         return out
@@ -43,8 +47,15 @@ def _node_to_python(node: yaml.Node, file: str, path: tuple[str, ...], pos: Posi
 def _read_yaml(path: Path, pos: Positions) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError([Problem("", "", f"recipe file not found: {path}")])
+    raw = path.read_bytes()
     try:
-        node = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError([Problem(f"{path}:{line}", "", f"not UTF-8 text (byte 0x{raw[exc.start]:02x}); "
+                                                          "save the recipe as UTF-8")]) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -97,8 +108,10 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
         raise ConfigError([Problem("", "", f"override {text!r} is not of the form key.path=value")])
+    if not raw.strip():
+        raise ConfigError([Problem("", "", f"override {text!r} has no value (write {key.strip()}=null for null)")])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
     return tuple(key.strip().split(".")), value
@@ -119,8 +132,14 @@ def load_raw(path: str | Path, overrides: list[str] | None = None) -> tuple[dict
     data = _load_layers(Path(path), pos, ())
     for i, text in enumerate(overrides or [], start=1):
         keys, value = parse_override(text)
+        label = f"override #{i} ({text})"
+        node: Any = data
+        for j, key in enumerate(keys[:-1], start=1):      # values the override replaces are its own
+            node = node.get(key) if isinstance(node, dict) else None
+            if not isinstance(node, dict):
+                pos[keys[:j]] = label
         _apply_override(data, keys, value)
-        pos[keys] = f"override #{i} ({text})"
+        pos[keys] = label
     return data, pos
 
 
@@ -190,7 +209,15 @@ def _convert(tp: Any, value: Any, path: tuple[str, ...], pos: Positions, problem
         if not isinstance(value, dict):
             raise _Invalid
         _, item = typing.get_args(tp)
-        return {str(k): _convert(item, v, path + (str(k),), pos, problems) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():     # a bad entry is reported where it was set, not at its section
+            try:
+                out[str(k)] = _convert(item, v, path + (str(k),), pos, problems)
+            except _Invalid:
+                sub = path + (str(k),)
+                problems.append(Problem(_where(pos, sub), ".".join(sub),
+                                        f"got {v!r} ({type(v).__name__}); expected {_type_name(item)}"))
+        return out
     return _convert_scalar(tp, value)
 
 
@@ -265,6 +292,8 @@ def _build(cls: type, data: dict[str, Any], path: tuple[str, ...], pos: Position
         if fields[key].metadata.get("path") and isinstance(converted, str):
             converted = _absolute_path(converted, pos.get(sub, ""))
         message = _check_range(fields[key], converted) or _check_implemented(fields[key], converted)
+        if isinstance(converted, float) and not math.isfinite(converted):
+            message = f"value {converted!r} is not a finite number"
         if message:
             problems.append(Problem(_where(pos, sub), ".".join(sub), message))
             continue
@@ -302,6 +331,11 @@ def write_resolved(cfg: Any, run_dir: str | Path, name: str = "recipe.resolved.y
     out = Path(run_dir) / name
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(dump_yaml(cfg), encoding="utf-8")
+    text = dump_yaml(cfg)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot write {out} ({len(text.encode())} bytes): {exc.strerror}") from exc
     tmp.replace(out)
     return out

@@ -8,7 +8,9 @@ rank finished and the `complete` marker is written, so a crash never leaves a di
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories  # noqa: E402
 
 COMPLETE = "complete.json"
+PARTIAL = ".partial"
 
 
 def _sharded_state(actor: Actor, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
@@ -95,28 +98,92 @@ def _within(part: Any, data: torch.Tensor) -> bool:
 def save_checkpoint(actor: Actor, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Collective: every rank calls it. `extra` (JSON-able, e.g. data-loader position) rides along."""
     final = Path(directory)
-    tmp = final.with_name(final.name + ".partial")
+    tmp = final.with_name(final.name + PARTIAL)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_without_view_clones(_sharded_state(actor, is_loading=False)), str(tmp))
-    rng_dir = tmp / "rng"
-    rng_dir.mkdir(exist_ok=True)
-    torch.save({"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-               rng_dir / f"rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        meta = {"step": actor.step, "world_size": dist.get_world_size(),
-                "optimizer_parts": _optimizer_parts(actor),
-                "scheduler": actor.scheduler.state_dict() if actor.trainable else None, "extra": extra or {}}
-        (tmp / COMPLETE).write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+    state = _without_view_clones(_sharded_state(actor, is_loading=False))
+    need = _state_bytes(state) * dist.get_world_size()     # before the save, which consumes the state
+    try:
+        dist_checkpointing.save(state, str(tmp))
+        rng_dir = tmp / "rng"
+        rng_dir.mkdir(exist_ok=True)
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                   rng_dir / f"rank{dist.get_rank()}.pt")
+        _fsync_tree(tmp)                # durable before the rename makes it the checkpoint
+        dist.barrier()
+        if dist.get_rank() == 0:
+            meta = {"step": actor.step, "world_size": dist.get_world_size(),
+                    "optimizer_parts": _optimizer_parts(actor),
+                    "scheduler": actor.scheduler.state_dict() if actor.trainable else None, "extra": extra or {}}
+            _write_synced(tmp / COMPLETE, json.dumps(meta, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _fsync_dir(final.parent)
+    except BaseException as exc:       # torch's CheckpointException is not an Exception
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(exc, tmp.parent, need):
+            raise DiskFullError(f"checkpoint {final}: no space left on the device of {tmp.parent} "
+                                f"(needs about {need / 2**20:.1f} MiB, "
+                                f"{shutil.disk_usage(tmp.parent).free / 2**20:.1f} MiB free); the partial save was "
+                                "removed, earlier checkpoints and metrics are intact") from exc
+        raise
     dist.barrier()
     return final
+
+
+class DiskFullError(OSError):
+    """A save ran out of disk space (the message names the path and the bytes needed)."""
+
+
+def _state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's tensors in a sharded state: about what its part of a checkpoint takes."""
+    return sum(item.data.nbytes for item in nested_values(state)
+               if isinstance(item, ShardedTensor) and isinstance(item.data, torch.Tensor))
+
+
+def _disk_full(exc: BaseException, where: Path, need: int) -> bool:
+    """ENOSPC anywhere in the chain, or a writer's opaque failure ("Worker failure", torch's zip
+    writer's "unexpected pos") while less than the save's size is free."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC or "No space left" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(where).free < need
+    except OSError:
+        return False
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class OptimizerLayoutMismatch(RuntimeError):
@@ -178,16 +245,30 @@ def _unshare_adam_steps(actor: Actor) -> None:
                 state["step"] = state["step"].clone()
 
 
+def _complete(root: str | Path) -> list[Path]:
+    """Complete `step_XXXXXXXX` checkpoints, oldest first (a `.partial` is never one, whatever it holds)."""
+    found = [p for p in Path(root).glob("step_*") if not p.name.endswith(PARTIAL) and (p / COMPLETE).is_file()
+             and p.name.split("_", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("_", 1)[1]))
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete `step_XXXXXXXX` checkpoint under `root`."""
-    complete = [p for p in Path(root).glob("step_*") if (p / COMPLETE).is_file()]
-    return max(complete, key=lambda p: int(p.name.split("_")[1]), default=None)
+    complete = _complete(root)
+    return complete[-1] if complete else None
+
+
+def remove_partial_checkpoints(root: str | Path) -> list[Path]:
+    """Delete `step_*.partial` directories left by saves that died (rank 0, before a resumed run saves)."""
+    stale = sorted(Path(root).glob(f"step_*{PARTIAL}"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` complete checkpoints (rank 0 only)."""
-    complete = sorted((p for p in Path(root).glob("step_*") if (p / COMPLETE).is_file()),
-                      key=lambda p: int(p.name.split("_")[1]))
+    complete = _complete(root)
     for old in complete[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 

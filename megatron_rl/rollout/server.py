@@ -24,6 +24,7 @@ import httpx
 import torch
 
 from ..config.schema import RolloutConfig
+from .shm import SHM, stale_vllm_segments
 
 
 class ServerError(RuntimeError):
@@ -76,6 +77,8 @@ class RolloutServer:
     external: bool = False
     """Started by someone else (e.g. the sbatch script on rollout nodes): never started or stopped here."""
     stop_token_ids: list[int] = field(default_factory=list)
+    shm_before: set[str] = field(default_factory=set)
+    """/dev/shm names before the server started: those that appear are its own."""
     """Where generation stops (the model's EOS ids). The server runs without a tokenizer, so clients
     send these with every request (`RolloutClient.for_server`)."""
 
@@ -143,6 +146,7 @@ class RolloutServer:
         self.port = self.cfg.port or self.port or free_port(self.cfg.host)
         self.rollout_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.rollout_dir / "server.log", "ab")
+        self.shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
         # A new session, so stop() can kill the server's whole process group (API server, engine
         # core, workers); server_main watches MRL_PARENT_PID and kills that group if we die.
         self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
@@ -189,7 +193,12 @@ class RolloutServer:
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 _kill_group(self.proc.pid)
         _kill_group(self.proc.pid)     # engine-core children outlive a dead API process otherwise
+        _wait_group_gone(self.proc.pid, 10.0)
         self.proc = None
+        if SHM.is_dir():                # what its killed processes could not unlink themselves
+            new = set(os.listdir(SHM)) - self.shm_before
+            for path in stale_vllm_segments(min_age_s=0.0, among=new):
+                path.unlink(missing_ok=True)
 
     def restart(self) -> None:
         if self.external:
@@ -216,6 +225,34 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """A SIGKILLed process keeps its mappings until the kernel has torn it down (seconds for a big
+    one); its shared-memory files only count as unused after that. Zombies map nothing."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid_of(p) == pgid]
+        except OSError:
+            return
+        if all(_is_zombie(p) for p in members):
+            return
+        time.sleep(0.1)
+
+
+def _pgid_of(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _is_zombie(proc: Path) -> bool:
+    try:
+        return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _progress(text: str, end: str = "\r") -> None:

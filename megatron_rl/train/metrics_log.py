@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,33 @@ class MetricsLog:
         self.wandb = _wandb(wandb_project, run_name, config) if wandb_project else None
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines of steps that will be run again (they were not checkpointed)."""
+        """On resume, drop lines of steps that will be run again (they were not checkpointed), and
+        a torn last line: what a kill or a full disk leaves in the middle of an append. The file is
+        replaced atomically, so a crash here leaves the old one."""
         if not self.path.is_file():
             return
-        keep = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        keep = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                if number < len(lines):
+                    raise ValueError(f"{self.path}:{number}: not a JSON line ({exc.msg}); only a torn last "
+                                     "line is repaired on resume") from exc
+                print(f"[metrics] {self.path}: dropped a torn last line ({len(line)} chars, line {number}) "
+                      "left by an interrupted write", flush=True)
+                continue
+            if record["step"] <= step:
+                keep.append(line)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}

@@ -19,11 +19,14 @@ import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, Training, init_parallel
-from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, load_weights, prune_checkpoints, save_checkpoint
+from ..megatron.checkpoint import (latest_checkpoint, load_checkpoint, load_weights, prune_checkpoints,
+                                  remove_partial_checkpoints, save_checkpoint)
 from ..megatron.providers import build_model_recipe
 from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
+from ..rollout.shm import remove_stale as remove_stale_shm
+from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
 from ..tasks import LoadedTask
 from ..types import TrainBatch
 from ..weights.adapters import adapter_for
@@ -31,8 +34,7 @@ from ..weights.loading import load_hf_into_model
 from ..weights.sync import FanoutTransport, sync_weights
 from ..weights.transport_file import FileTransport
 from .data_order import DataOrder
-from .rollout_phase import ServerSupervisor
-from .setup import load_prompts, load_sft_tokens
+from .setup import load_prompts, load_sft_tokens, require_eos
 
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
@@ -54,6 +56,7 @@ class Session:
         self.hf = read_hf_config(self.hf_dir)
         self.adapter = adapter_for(self.hf)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or self.hf_dir)
+        require_eos(self.tokenizer, cfg.model.tokenizer or self.hf_dir)
         self.dtype = torch.bfloat16 if (cfg.model.params_dtype == "bf16" or
                                         (cfg.model.params_dtype == "auto" and torch.cuda.is_available())) \
             else torch.float32
@@ -77,6 +80,9 @@ class Session:
         self.servers: list[RolloutServer] = []
         self.transports: list[FileTransport] = []
         self.clients: list[RolloutClient] = []
+        self.supervisors: list[ServerSupervisor] = []
+        self.resync_restored = False
+        """The first sync after a resume re-sends the checkpointed weights under their own version."""
         self.transport: FileTransport | FanoutTransport | None = None
         self.client: RolloutClient | MultiClient | None = None
         self.stop_signal: str | None = None
@@ -93,6 +99,9 @@ class Session:
         nodes — every server listed under $MEGATRON_RL_ROLLOUT_SERVERS (`*/rollout/server.json`)."""
         if not self.rank0:
             return
+        freed = remove_stale_shm()
+        if freed:
+            print(f"[rollout] removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs", flush=True)
         r = self.cfg.rollout
         external = os.environ.get(EXTERNAL_SERVERS_ENV)
         sync_root = None
@@ -110,9 +119,12 @@ class Session:
             server.start()
             self.servers = [server]
         self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
+        self.supervisors = [ServerSupervisor(s, t) for s, t in zip(self.servers, self.transports)]
+        for transport, supervisor in zip(self.transports, self.supervisors):
+            transport.supervise = supervisor.call
         self.clients = [RolloutClient.for_server(s, max_concurrency=r.max_concurrency, timeout_s=r.request_timeout_s,
-                                                 max_retries=r.max_retries, on_failure=ServerSupervisor(s, t))
-                        for s, t in zip(self.servers, self.transports)]
+                                                 max_retries=r.max_retries, on_failure=sup)
+                        for s, sup in zip(self.servers, self.supervisors)]
         self.transport = self.transports[0] if len(self.transports) == 1 else FanoutTransport(self.transports)
         self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)
 
@@ -122,7 +134,8 @@ class Session:
 
     def sync(self) -> dict[str, float]:
         """Push the actor's weights to the server under a new version (collective)."""
-        self.version += 1
+        self.version += 0 if self.resync_restored else 1
+        self.resync_restored = False
         report = sync_weights(self.actor.model, self.adapter, self.transport, self.version, self.dtype)
         if report is None:
             return {}
@@ -134,8 +147,12 @@ class Session:
         diff = torch.zeros(())
         if self.rank0:
             seqs = [row[: int(m.nonzero().max()) + 2].tolist() for row, m in zip(probe.tokens, probe.mask)]
-            for client in self.clients:                      # every server must agree
-                for i, lp in enumerate(client.prompt_logprobs(seqs)):
+            expected = ProbeExpectation(self.version, seqs, [
+                [float(trainer_lp[i, j]) if probe.mask[i, j] > 0 else None for j in range(len(seq) - 1)]
+                for i, seq in enumerate(seqs)], self.cfg.rollout.verify_tolerance)
+            for client, supervisor in zip(self.clients, self.supervisors):     # every server must agree
+                supervisor.expected = expected                  # what a restarted server is checked against
+                for i, lp in enumerate(supervisor.call("the sync verification", client.prompt_logprobs, seqs)):
                     mask = probe.mask[i, :len(lp)] > 0
                     got = torch.tensor(lp)[mask]
                     diff = torch.maximum(diff, (got - trainer_lp[i, :len(lp)][mask]).abs().max())
@@ -159,6 +176,9 @@ class Session:
 
     def resume(self) -> int:
         """Load the latest complete checkpoint; returns the step it ended (0 = none)."""
+        if self.rank0:
+            for stale in remove_partial_checkpoints(self.run_dir / "checkpoints"):
+                print(f"[resume] removed {stale}: a save that did not finish", flush=True)
         latest = latest_checkpoint(self.run_dir / "checkpoints")
         if latest is None:
             return 0
@@ -168,6 +188,7 @@ class Session:
             self.sft_order.load(extra["sft_order"])
         random.setstate(_decode_random_state(extra["py_random"]))
         self.version = int(extra["version"])
+        self.resync_restored = True
         if self.rank0:
             print(f"[resume] from {latest} (step {extra['step']})", flush=True)
         return int(extra["step"])
@@ -189,8 +210,8 @@ class Session:
 
     def reseed_servers(self, step: int) -> None:
         seed = (self.cfg.trainer.seed * 1_000_003 + step) % (2**31 - 1)
-        for server in self.servers:
-            server.rpc("mrl_reseed", str(seed))
+        for server, supervisor in zip(self.servers, self.supervisors):
+            supervisor.call("the per-step reseed", server.rpc, "mrl_reseed", str(seed))
 
     def close(self) -> None:
         for transport in self.transports:

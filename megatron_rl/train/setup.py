@@ -14,19 +14,23 @@ import torch.distributed as dist
 
 from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
-from ..data.schema import PromptRecord, SFTRecord, read_prompts, read_sft
+from ..data.schema import DataError, PromptRecord, SFTRecord, read_prompts, read_sft
 
 
 def init_process_group() -> None:
     """torchrun sets the rendezvous; a plain `python` run is a world of one on loopback."""
     if dist.is_initialized():
         return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:
-        from ..rollout.server import free_port
-
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port("127.0.0.1")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # A world of one needs no rendezvous: an in-process store instead of a TCPStore, which
+        # would listen unauthenticated on every interface for the whole run; gloo's own pair
+        # socket stays on loopback.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    dist.init_process_group(backend)
 
 
 def make_run_dir(cfg: RecipeConfig, resume: bool) -> Path:
@@ -34,13 +38,29 @@ def make_run_dir(cfg: RecipeConfig, resume: bool) -> Path:
     name = cfg.logging.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run = Path(cfg.logging.output_dir) / name
     if dist.get_rank() == 0:
-        if run.exists() and not resume and any(run.iterdir()):
+        if run.exists() and not resume and any(run.iterdir()) and not never_started(run):
             raise FileExistsError(f"run dir {run} exists; pass --resume to continue it or pick another "
                                   "logging.run_name")
         run.mkdir(parents=True, exist_ok=True)
         write_resolved(cfg, run)
     dist.barrier()
     return run
+
+
+RUN_DIR_ENTRIES = {"recipe.resolved.yaml", "recipe.resolved.yaml.tmp", "rollout", "checkpoints", "tensorboard",
+                   "metrics.jsonl", "metrics.jsonl.tmp"}
+"""What a run writes into its run dir before (and at) its first step."""
+
+
+def never_started(run: Path) -> bool:
+    """A run dir of a run that failed before its first step: only what a run writes, no metrics,
+    no checkpoint. Nothing in it is worth keeping, so it neither blocks a fresh run under the same
+    name nor survives the failure. A directory holding anything else is never taken for one."""
+    names = {p.name for p in run.iterdir()} if run.is_dir() else set()
+    metrics = run / "metrics.jsonl"
+    logged = metrics.is_file() and metrics.stat().st_size > 0
+    return "recipe.resolved.yaml" in names and names <= RUN_DIR_ENTRIES and not logged \
+        and not any((run / "checkpoints").glob("step_*"))
 
 
 @dataclass
@@ -54,6 +74,8 @@ def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed
                  prompt: Callable[[PromptRecord], list[dict[str, str]]]) -> Prompts:
     """Prompt records rendered by the task's prompt format; longer than the budget = dropped."""
     records = read_prompts(path, on_malformed=on_malformed)
+    if not records:
+        raise DataError(f"{path}: no prompt records (empty file, or every line skipped as malformed)")
     kept, ids = [], []
     for r in records:
         tokens = list(tokenizer.apply_chat_template(prompt(r), add_generation_prompt=True, tokenize=True,
@@ -62,7 +84,8 @@ def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed
             kept.append(r)
             ids.append(tokens)
     if not kept:
-        raise ValueError(f"{path}: no prompt fits rollout.max_prompt_length={max_prompt_length}")
+        raise DataError(f"{path}: none of its {len(records)} prompts fits rollout.max_prompt_length="
+                        f"{max_prompt_length} (chat template included)")
     dropped = len(records) - len(kept)
     if dropped and dist.get_rank() == 0:
         print(f"[data] {dropped} prompts longer than {max_prompt_length} tokens dropped", flush=True)
@@ -71,13 +94,25 @@ def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed
 
 def load_sft_tokens(path: str, tokenizer: Any, on_malformed: str) -> list[list[int]]:
     """Expert sequences (prompt + response + EOS) for CHORD's SFT stream, with the prompt length."""
+    eos = require_eos(tokenizer, path)
     out = []
-    for r in read_sft(path, on_malformed=on_malformed):
+    records = read_sft(path, on_malformed=on_malformed)
+    if not records:
+        raise DataError(f"{path}: no SFT records (the file has no non-blank line)")
+    for r in records:
         prompt = list(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
-        response = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        response = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [eos]
         out.append([len(prompt)] + prompt + response)
     return out
+
+
+def require_eos(tokenizer: Any, what: str) -> int:
+    """The tokenizer's EOS id: responses end there and SFT sequences get one appended."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"{what}: the tokenizer has no EOS token "
+                        "(eos_token in tokenizer_config.json); generations and SFT sequences would never end")
+    return int(tokenizer.eos_token_id)
 
 
 def export_hf(actor_model: torch.nn.Module, adapter: Any, src_hf_dir: str, out_dir: Path) -> None:

@@ -23,11 +23,14 @@ import mmap
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from ..rollout.shm import SYNC_PREFIX
 
 ALIGN = 64
 """Byte alignment of every tensor in a segment (any dtype view of the bytes is aligned)."""
@@ -38,6 +41,10 @@ class ControlEndpoint(Protocol):
              timeout: float = 600.0) -> Any: ...
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]: ...
+
+
+def _direct(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def _shm_root() -> Path:
@@ -108,9 +115,9 @@ class _MappedFile:
 class FileTransport:
     """One weight update at a time: begin → send_bucket* → finish (or abort).
 
-    The latest finished update stays where it was written until the next one begins, so a
-    restarted server can be brought to the current weights (`resend_latest`) without the trainer
-    ranks gathering again.
+    The latest complete update (every byte written; loaded, or being loaded) stays where it was
+    written until the next one begins, so a restarted server can be brought to the current weights
+    (`resend_latest`) without the trainer ranks gathering again — also when it died mid-load.
     """
 
     def __init__(self, server: ControlEndpoint, root: Path | None = None, segment_bytes: int = 512 << 20) -> None:
@@ -123,15 +130,18 @@ class FileTransport:
         self.layout = SegmentLayout(segment_bytes)
         self.tensors: list[list[Any]] = []
         self.latest: tuple[int, str, Path] | None = None
-        """(version, manifest, directory) of the latest finished update, while its bytes are intact."""
+        """(version, manifest, directory) of the latest complete update, while its bytes are intact."""
         self.overwritten = False
         """An update began over the latest one's bytes (in place) and did not finish."""
         self.version = 0
+        self.supervise: Callable[..., Any] = _direct
+        """Runs each server-side load (`ServerSupervisor.call`: restarts a dead server, redoes it)."""
 
     def begin(self, version: int) -> None:
         if self.in_place:
             if self.dir is None:
-                self.dir = Path(tempfile.mkdtemp(prefix="megatron-rl-sync-", dir=_shm_root()))
+                # The pid in the name lets a later run tell a dead run's segments (rollout/shm.py).
+                self.dir = Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-", dir=_shm_root()))
             self.overwritten = self.latest is not None or self.overwritten
             self.latest = None
         else:
@@ -174,24 +184,31 @@ class FileTransport:
             if not self.in_place:
                 self._flush()
             manifest = self._manifest()
-            self.server.post("/pause", params={"mode": "wait"})
-            try:
-                (result,) = self.server.rpc("mrl_update", str(self.version), manifest)
-                self.server.post("/reset_prefix_cache")
-            finally:
-                self.server.post("/resume")
         except BaseException:
             self.abort()
             raise
-        if not self.in_place and self.latest is not None:
-            shutil.rmtree(self.latest[2], ignore_errors=True)
+        # The bytes are complete: from here a server restarted mid-load is brought to this version.
+        previous = self.latest
         self.latest, self.overwritten = (self.version, manifest, self.dir), False
         if not self.in_place:
             self.dir = None
+        result = self.supervise("the weight sync", self._load, self.version, manifest)
+        if not self.in_place and previous is not None:
+            shutil.rmtree(previous[2], ignore_errors=True)
+        return result
+
+    def _load(self, version: int, manifest: str) -> dict[str, Any]:
+        """pause → update → reset prefix cache → resume; redone from the start if the server died."""
+        self.server.post("/pause", params={"mode": "wait"})
+        try:
+            (result,) = self.server.rpc("mrl_update", str(version), manifest)
+            self.server.post("/reset_prefix_cache")
+        finally:
+            self.server.post("/resume")
         return result
 
     def resend_latest(self) -> dict[str, Any] | None:
-        """Load the latest finished update into a (restarted) server again; None if there was none."""
+        """Load the latest complete update into a (restarted) server again; None if there was none."""
         if self.latest is None:
             if self.overwritten:
                 raise RuntimeError("the latest weights were partly overwritten by an update that did not "

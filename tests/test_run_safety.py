@@ -1,0 +1,197 @@
+"""What a kill, a full disk or a bad input leaves behind, and how the next run copes: torn metrics,
+half-written checkpoints, /dev/shm leftovers, the rendezvous socket, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.megatron.checkpoint import COMPLETE, latest_checkpoint, prune_checkpoints, remove_partial_checkpoints
+from megatron_rl.rollout import shm
+from megatron_rl.train.metrics_log import MetricsLog
+from megatron_rl.train.setup import never_started
+from tests.rollout_fixtures import REPO, TINY_MOE, demo_assets
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+# ------------------------------------------------------------------------------------ metrics
+def _metrics(run: Path, *lines: str) -> None:
+    (run / "metrics.jsonl").write_text("".join(lines), encoding="utf-8")
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume_and_said(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _metrics(tmp_path, *(json.dumps({"step": s, "reward/mean": 0.5}) + "\n" for s in range(1, 6)),
+             '{"step": 6, "reward/me')
+    log = MetricsLog(tmp_path, 4, False, None, "r", {})
+    log.log(5, {"reward/mean": 0.25})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["reward/mean"] == 0.25
+    assert "dropped a torn last line" in capsys.readouterr().out
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_a_bad_line_before_the_end_is_an_error_naming_file_and_line(tmp_path: Path) -> None:
+    _metrics(tmp_path, '{"step": 1}\n', "garbage\n", '{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+        MetricsLog(tmp_path, 2, False, None, "r", {})
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 3          # left as it was
+
+
+# -------------------------------------------------------------------------------- checkpoints
+def _ckpt(root: Path, name: str, complete: bool = True) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    if complete:
+        (d / COMPLETE).write_text("{}")
+    return d
+
+
+def test_a_partial_save_holding_its_marker_is_never_the_latest_and_goes_on_resume(tmp_path: Path) -> None:
+    _ckpt(tmp_path, "step_00000004")
+    _ckpt(tmp_path, "step_00000006.partial")            # died between the marker and the rename
+    _ckpt(tmp_path, "step_00000008.partial", complete=False)
+    assert latest_checkpoint(tmp_path).name == "step_00000004"
+    prune_checkpoints(tmp_path, 1)
+    assert remove_partial_checkpoints(tmp_path) == [tmp_path / "step_00000006.partial",
+                                                   tmp_path / "step_00000008.partial"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_during_a_save_is_one_error_with_path_and_size_and_loses_nothing(tmp_path: Path) -> None:
+    from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
+
+    model = build_tiny_hf_checkpoint(TINY_MOE, tmp_path / "model", seed=0)
+    full, out = tmp_path / "full", tmp_path / "out.json"
+    full.mkdir()
+    script = (f"mount -t tmpfs -o size=256k tmpfs {full} && echo kept > {full}/older.txt && "
+              f"{sys.executable} {REPO}/tests/mp/full_disk_worker.py {model} {tmp_path / 'roomy'} {full} {out}")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads(out.read_text())
+    assert result["roomy_latest"] == result["roomy_saved"]
+    error = result["error"]
+    assert error is not None and "\n" not in error
+    assert f"checkpoint {full}/step_00000002: no space left" in error and "MiB" in error, error
+    assert result["full_dir_after"] == ["older.txt"]              # no .partial left, nothing older lost
+
+
+# ------------------------------------------------------------------------------------ /dev/shm
+def test_leftovers_of_dead_processes_go_and_live_ones_stay(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = tmp_path / f"{shm.SYNC_PREFIX}{dead}-abc"
+    live = tmp_path / f"{shm.SYNC_PREFIX}{os.getpid()}-def"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "segment-00000.bin").write_bytes(b"x" * 4096)
+    old = time.time() - 3600
+    unmapped, mapped = tmp_path / "psm_dead0001", tmp_path / "psm_live0001"
+    for f in (unmapped, mapped, tmp_path / "sem.mp-young"):
+        f.write_bytes(b"y" * 4096)
+    for f in (unmapped, mapped):
+        os.utime(f, (old, old))
+    with open(mapped, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):
+        freed = shm.remove_stale(min_age_s=60.0, root=tmp_path)
+    assert not stale.exists() and not unmapped.exists()
+    assert live.exists() and mapped.exists() and (tmp_path / "sem.mp-young").exists()   # in use, or too new
+    assert freed >= 2 * 4096
+
+
+# ------------------------------------------------------------------------------ rendezvous
+def test_a_world_of_one_listens_on_loopback_only() -> None:
+    code = """
+import os, psutil, torch, torch.distributed as dist
+from megatron_rl.train.setup import init_process_group
+init_process_group()
+t = torch.ones(3); dist.all_reduce(t); dist.barrier()
+listening = [c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+print([f"{a.ip}:{a.port}" for a in listening])
+assert all(a.ip in ("127.0.0.1", "::1") for a in listening), listening
+assert float(t[0]) == 1.0
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------- the CLI
+def test_overrides_after_resume_parse() -> None:
+    from megatron_rl.cli import build_parser
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(["train", "r.yaml", "--resume", "trainer.lr=1", "rollout.n=2"])
+    assert extra == ["trainer.lr=1", "rollout.n=2"]
+    with pytest.raises(SystemExit):
+        from megatron_rl.cli import main
+        main(["train", "r.yaml", "--resume", "--no-such-flag"])
+
+
+def test_a_run_dir_without_a_step_does_not_block_a_rerun(tmp_path: Path) -> None:
+    (tmp_path / "recipe.resolved.yaml").write_text("x: 1\n")
+    (tmp_path / "rollout").mkdir()
+    assert never_started(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert not never_started(tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "notes.txt").write_text("someone else's")           # not a run's own file: never taken
+    assert not never_started(tmp_path)
+
+
+def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(REPO / "recipes/tiny/chord.yaml"),
+           f"logging.output_dir={tmp_path}", "logging.run_name=bad", *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_input_problems_found_at_run_time_are_one_line_and_leave_no_run_dir(tmp_path: Path) -> None:
+    """Each fails before the server starts (data and tokenizer are read first)."""
+    import shutil
+
+    assets = demo_assets()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    no_eos = tmp_path / "no_eos"
+    shutil.copytree(assets["model"], no_eos)
+    cfg = json.loads((no_eos / "tokenizer_config.json").read_text())
+    cfg.pop("eos_token", None)
+    (no_eos / "tokenizer_config.json").write_text(json.dumps(cfg))
+    cases = {f"data.train_path={empty}": f"{empty}: no prompt records",
+             f"model.tokenizer={no_eos}": "the tokenizer has no EOS token"}
+    for override, message in cases.items():
+        proc = _train(tmp_path, override)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_when_writing_the_resolved_recipe_names_path_and_bytes_and_leaves_no_tmp(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    code = f"""
+from megatron_rl.config import load_recipe
+from megatron_rl.config.loader import write_resolved
+try:
+    write_resolved(load_recipe({str(REPO / 'recipes/tiny/grpo.yaml')!r}), {str(full)!r})
+except OSError as exc:
+    print("ERROR", exc)
+"""
+    (tmp_path / "write.py").write_text(code)
+    script = (f"mount -t tmpfs -o size=4k tmpfs {full} && head -c 4096 /dev/zero > {full}/filler; "
+              f"{sys.executable} {tmp_path / 'write.py'}; ls {full}")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert f"ERROR [Errno 28] cannot write {full}/recipe.resolved.yaml (" in out and " bytes): " in out, out + proc.stderr
+    assert out.strip().splitlines()[-1] == "filler"                   # no recipe.resolved.yaml.tmp left
