@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.megatron import cpu_compat
+
+cpu_compat.apply()   # as `megatron-rl train` does: checkpoint.py imports megatron-core
 from megatron_rl.megatron.checkpoint import COMPLETE, latest_checkpoint, prune_checkpoints, remove_partial_checkpoints
 from megatron_rl.rollout import shm
 from megatron_rl.train.metrics_log import MetricsLog

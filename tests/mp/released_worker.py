@@ -75,7 +75,7 @@ def parity(hf_dir: Path, name: str, ref: dict[str, torch.Tensor]) -> float:
     """Max |Δ| between HF's logits and megatron's, loaded from HF through the trainer's path."""
     layout = parallel(name)
     init_parallel(layout, seed=5)     # a different seed from the convert's: random init differs
-    actor = Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32), None, micro_batch_size=2)
+    actor = Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32), 2, None)
     load_hf_into_model(actor.model, hf_dir)
     logits = pipeline_logits(actor, ref["tokens"])
     diff = None if logits is None else (logits - ref["logits"]).abs().max().item()
