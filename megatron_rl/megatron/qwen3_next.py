@@ -82,6 +82,10 @@ class GatedOutputNorm(cpu_compat.LocalRMSNorm):
                          dtype=config.params_dtype)
 
 
+GDN_SHARDED_KEYS = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+"""Local name prefix → TE name prefix in a GDN layer, where TE fuses the input norm into in_proj."""
+
+
 def _local_gdn_spec() -> ModuleSpec:
     return ModuleSpec(
         module=Qwen3NextGatedDeltaNet,
@@ -107,7 +111,7 @@ def _local_layer_specs(config: TransformerConfig, types: list[str]) -> list[Modu
         sub = base.submodules
         if kind == LINEAR:
             # Checkpoint keys as under TE, where the input norm lives in GDN's fused in_proj.
-            keys = dict(sub.sharded_state_dict_keys_map, **{"input_layernorm.": "self_attention.in_proj.layer_norm_"})
+            keys = dict(sub.sharded_state_dict_keys_map, **GDN_SHARDED_KEYS)
             sub = dataclasses.replace(sub, self_attention=gdn, sharded_state_dict_keys_map=keys)
         specs.append(ModuleSpec(module=base.module, submodules=sub))
     return specs
@@ -118,7 +122,7 @@ def _te_block_spec(config: TransformerConfig, vp_stage: int | None) -> Transform
 
     Untested here (no GPU). Its parameter names differ from the local spec's where TE fuses the
     input norms into the next linear (`linear_qkv.layer_norm_weight`, `in_proj.layer_norm_weight`,
-    `linear_fc1.layer_norm_weight`), which the weight map, like the Qwen3 ones, does not cover yet.
+    `linear_fc1.layer_norm_weight`); `weights/sharding.py` maps them back to the local names.
     """
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_block_with_experimental_attention_variant_spec,

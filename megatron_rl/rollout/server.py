@@ -110,6 +110,10 @@ class RolloutServer:
                 "--worker-extension-cls", "megatron_rl.rollout.worker_ext.WorkerExtension",
                 "--logprobs-mode", "processed_logprobs" if c.logprobs_mode == "processed" else "raw_logprobs",
                 "--served-model-name", "policy", "--disable-log-stats",
+                # vLLM's own sampling defaults, not the checkpoint's generation_config.json: a
+                # repetition_penalty or min_p there would change the behaviour policy behind the
+                # trainer's back (the client sends only temperature, top_p and top_k).
+                "--generation-config", "vllm",
                 # Token ids in and out: detokenizing every generated token cost ~13% of the
                 # tokens/s here (bench/rollout_client_bench.py); EOS comes with each request.
                 "--skip-tokenizer-init"]
@@ -120,7 +124,8 @@ class RolloutServer:
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ, VLLM_API_KEY=self.token, VLLM_SERVER_DEV_MODE="1",
+        inherited = {k: v for k, v in os.environ.items() if not _is_launcher_variable(k)}
+        env = dict(inherited, VLLM_API_KEY=self.token, VLLM_SERVER_DEV_MODE="1",
                    VLLM_CPU_KVCACHE_SPACE=str(self.cfg.cpu_kvcache_gb), MRL_PARENT_PID=str(os.getpid()))
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
@@ -209,6 +214,17 @@ class RolloutServer:
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
         return self.post("/collective_rpc", {"method": method, "args": list(args)}, timeout=timeout)["results"]
+
+
+LAUNCHER_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                                "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+"""What torchrun sets for the trainer's own process group. vLLM starts its own workers and groups;
+inherited, these would make it read the trainer's rank and rendezvous as its own."""
+
+
+def _is_launcher_variable(name: str) -> bool:
+    return name in LAUNCHER_VARIABLES or name.startswith("TORCHELASTIC_")
 
 
 def _kill_group(pid: int) -> None:

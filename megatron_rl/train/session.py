@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, OptimSettings, init_parallel
+from ..megatron.devices import wait_for_rank0
 from ..megatron.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from ..megatron.providers import ParallelLayout, build_model_recipe
 from ..model_config import read_hf_config
@@ -29,6 +30,7 @@ from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
 from ..weights.sync import FanoutTransport, sync_weights
 from ..weights.transport_file import FileTransport
+from . import verification
 from .data_order import DataOrder
 from .rollout_phase import ServerSupervisor
 from .setup import load_prompts, load_sft_tokens
@@ -129,6 +131,9 @@ class Session:
 
     def sync(self) -> dict[str, float]:
         """Push the actor's weights to the server under a new version (collective)."""
+        # Rank 0 may have spent minutes starting the server or generating: wait for it on the CPU,
+        # not inside the NCCL collectives of the gather.
+        wait_for_rank0()
         self.version += 1
         report = sync_weights(self.actor.model, self.adapter, self.transport, self.version, self.dtype)
         if report is None:
@@ -136,21 +141,26 @@ class Session:
         return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}
 
     def verify(self, probe: TrainBatch) -> dict[str, float]:
-        """Server log-probs of fixed sequences == the trainer's own (T = 1), within the tolerance."""
-        trainer_lp = self.actor.compute_logprobs(probe, temperature=1.0)
-        diff = torch.zeros(())
+        """Server log-probs of fixed sequences vs the trainer's own (T = 1): statistics of |Δ| over
+        the probe's response tokens, gated by the bounds of the weights' dtype (`verification`)."""
+        trainer_lp = self.actor.compute_logprobs(probe, temperature=1.0)      # on the CPU
+        stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
         if self.rank0:
             seqs = [row[: int(m.nonzero().max()) + 2].tolist() for row, m in zip(probe.tokens, probe.mask)]
+            diffs = []
             for client in self.clients:                      # every server must agree
                 for i, lp in enumerate(client.prompt_logprobs(seqs)):
                     mask = probe.mask[i, :len(lp)] > 0
-                    got = torch.tensor(lp)[mask]
-                    diff = torch.maximum(diff, (got - trainer_lp[i, :len(lp)][mask]).abs().max())
-        dist.broadcast(diff, src=0)
-        if float(diff) > self.cfg.rollout.verify_tolerance or not math.isfinite(float(diff)):
-            raise Stop(f"weight-sync verification failed at version {self.version}: max |Δ log-prob| "
-                       f"{float(diff):.3g} > {self.cfg.rollout.verify_tolerance:g} (server and trainer disagree)")
-        return {"sync/verify_max_abs_diff": float(diff)}
+                    got = torch.tensor(lp, dtype=torch.float64)[mask]
+                    diffs.append(got - trainer_lp[i, :len(lp)][mask].double())
+            stats = verification.diff_stats(torch.cat(diffs))
+        dist.broadcast(stats, src=0)                         # a CPU tensor: gloo, also on GPU runs
+        limits = verification.limits_for(self.dtype, self.cfg.rollout.verify_tolerance)
+        problem = verification.failure(stats, limits)
+        if problem:
+            raise Stop(f"weight-sync verification failed at version {self.version} ({self.dtype}): {problem} "
+                       "(server and trainer disagree)")
+        return verification.as_metrics(stats)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:

@@ -14,10 +14,11 @@ import torch.distributed as dist
 from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
 from ..data.schema import PromptRecord, SFTRecord, read_prompts, read_sft
+from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, init_distributed
 from ..objectives import ObjectiveConfig
 
 
-def init_process_group() -> None:
+def init_process_group(timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN) -> None:
     """torchrun sets the rendezvous; a plain `python` run is a world of one on loopback."""
     if dist.is_initialized():
         return
@@ -26,7 +27,7 @@ def init_process_group() -> None:
 
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port("127.0.0.1")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_distributed(timeout_min)
 
 
 def make_run_dir(cfg: RecipeConfig, resume: bool) -> Path:

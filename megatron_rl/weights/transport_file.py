@@ -40,6 +40,19 @@ class ControlEndpoint(Protocol):
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]: ...
 
 
+def one_result(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's collective RPC answers once per worker (TP × PP of an engine; under DP, those of
+    the first engine). Every worker loads the whole manifest, so all must report the same update:
+    a worker that loaded another version or another number of tensors is an error."""
+    if not results:
+        raise RuntimeError("mrl_update: the server returned no worker result")
+    first = results[0]
+    for i, r in enumerate(results[1:], start=1):
+        if r != first:
+            raise RuntimeError(f"mrl_update: vLLM workers disagree: worker 0 reported {first}, worker {i} {r}")
+    return {**first, "workers": len(results)}
+
+
 def _shm_root() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
@@ -176,7 +189,7 @@ class FileTransport:
             manifest = self._manifest()
             self.server.post("/pause", params={"mode": "wait"})
             try:
-                (result,) = self.server.rpc("mrl_update", str(self.version), manifest)
+                result = one_result(self.server.rpc("mrl_update", str(self.version), manifest))
                 self.server.post("/reset_prefix_cache")
             finally:
                 self.server.post("/resume")
@@ -198,7 +211,7 @@ class FileTransport:
                                    "finish; a full sync is needed")
             return None
         version, manifest, _ = self.latest
-        (result,) = self.server.rpc("mrl_update", str(version), manifest)
+        result = one_result(self.server.rpc("mrl_update", str(version), manifest))
         self.server.post("/reset_prefix_cache")
         return result
 

@@ -1,0 +1,72 @@
+"""Statistics of |Δ log-prob| between the rollout server and the trainer after a weight sync, and
+the gate they must pass.
+
+In fp32 both sides agree to round-off, so the largest difference is a fine test. In bf16 every
+kernel differs (attention, expert GEMMs, the router's top-k on near-ties), so single tokens can be
+far apart while the weights are exactly right: the gate is on the masked mean and a quantile, and
+the max is only logged. The bounds below were measured on CPU with a real vLLM server, both sides
+in the same dtype (tests/test_verification.py and tests/test_bf16_verification.py; numbers in the
+docstring of `LIMITS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STATS = ("mean", "p90", "p99", "max")
+"""Order of the statistics in the tensor that `diff_stats` returns (and rank 0 broadcasts)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    mean: float
+    """Bound on the mean |Δ| over the verified tokens."""
+    p90: float
+    """Bound on the 90th percentile of |Δ|."""
+    max: float | None = None
+    """Bound on the largest |Δ| (None = logged only)."""
+
+
+LIMITS: dict[torch.dtype, Limits] = {
+    # fp32 on CPU: vLLM and Megatron agree to < 1e-5 per token (tests/test_train_e2e.py asserts
+    # max ≤ 1e-4 on every step).
+    torch.float32: Limits(mean=1e-5, p90=5e-5, max=1e-4),
+    # bf16, both sides bf16, measured on CPU (tiny dense and MoE, 4 probe sequences): correct syncs
+    # gave mean ≤ 0.03 and p90 ≤ 0.07 (MoE max up to ~1, near-tie expert flips); one corrupted
+    # tensor gave mean ≥ 0.3. See tests/test_bf16_verification.py.
+    torch.bfloat16: Limits(mean=0.1, p90=0.25),
+}
+
+
+def limits_for(dtype: torch.dtype, mean_override: float | None) -> Limits:
+    """The bounds of `dtype`; `rollout.verify_tolerance`, when set, replaces the mean bound."""
+    base = LIMITS.get(dtype, LIMITS[torch.bfloat16])
+    if mean_override is None:
+        return base
+    return Limits(mean=mean_override, p90=max(base.p90, mean_override), max=base.max and max(base.max, mean_override))
+
+
+def diff_stats(diffs: torch.Tensor) -> torch.Tensor:
+    """(mean, p90, p99, max) of the |Δ| values (float64, CPU); NaN anywhere makes all NaN."""
+    d = diffs.detach().to(torch.float64).abs().reshape(-1).cpu()
+    if d.numel() == 0:
+        raise ValueError("verification compared no tokens (empty probe mask)")
+    if not torch.isfinite(d).all():
+        return torch.full((len(STATS),), float("nan"), dtype=torch.float64)
+    q = torch.quantile(d, torch.tensor([0.9, 0.99], dtype=torch.float64))
+    return torch.stack([d.mean(), q[0], q[1], d.max()])
+
+
+def failure(stats: torch.Tensor, limits: Limits) -> str | None:
+    """Why the statistics fail the bounds, or None."""
+    values = dict(zip(STATS, (float(v) for v in stats)))
+    bounds = {"mean": limits.mean, "p90": limits.p90, "max": limits.max}
+    bad = [f"{k} |Δ log-prob| {values[k]:.3g} > {b:g}" for k, b in bounds.items()
+           if b is not None and not values[k] <= b]       # `not <=`: NaN fails
+    return "; ".join(bad) or None
+
+
+def as_metrics(stats: torch.Tensor) -> dict[str, float]:
+    return {f"sync/verify_{k}_abs_diff": float(v) for k, v in zip(STATS, stats)}
