@@ -146,14 +146,7 @@ class Session:
         trainer_lp = self.actor.compute_logprobs(probe, temperature=1.0)      # on the CPU
         stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
         if self.rank0:
-            seqs = [row[: int(m.nonzero().max()) + 2].tolist() for row, m in zip(probe.tokens, probe.mask)]
-            diffs = []
-            for client in self.clients:                      # every server must agree
-                for i, lp in enumerate(client.prompt_logprobs(seqs)):
-                    mask = probe.mask[i, :len(lp)] > 0
-                    got = torch.tensor(lp, dtype=torch.float64)[mask]
-                    diffs.append(got - trainer_lp[i, :len(lp)][mask].double())
-            stats = verification.diff_stats(torch.cat(diffs))
+            stats = verification.diff_stats(verification.server_diffs(trainer_lp, probe, self.clients))
         dist.broadcast(stats, src=0)                         # a CPU tensor: gloo, also on GPU runs
         limits = verification.limits_for(self.dtype, self.cfg.rollout.verify_tolerance)
         problem = verification.failure(stats, limits)

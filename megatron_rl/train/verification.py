@@ -11,9 +11,13 @@ docstring of `LIMITS`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ..types import TrainBatch
 
 STATS = ("mean", "p90", "p99", "max")
 """Order of the statistics in the tensor that `diff_stats` returns (and rank 0 broadcasts)."""
@@ -70,3 +74,15 @@ def failure(stats: torch.Tensor, limits: Limits) -> str | None:
 
 def as_metrics(stats: torch.Tensor) -> dict[str, float]:
     return {f"sync/verify_{k}_abs_diff": float(v) for k, v in zip(STATS, stats)}
+
+
+def server_diffs(trainer_lp: torch.Tensor, probe: TrainBatch, clients: Sequence[Any]) -> torch.Tensor:
+    """Server minus trainer log-prob (T = 1) at every masked position of the probe, over all
+    servers (float64, CPU). `trainer_lp` is [rows, L−1] on the CPU; called where the clients are."""
+    seqs = [row[: int(m.nonzero().max()) + 2].tolist() for row, m in zip(probe.tokens, probe.mask)]
+    diffs = []
+    for client in clients:                                   # every server must agree
+        for i, lp in enumerate(client.prompt_logprobs(seqs)):
+            mask = probe.mask[i, :len(lp)] > 0
+            diffs.append(torch.tensor(lp, dtype=torch.float64)[mask] - trainer_lp[i, :len(lp)][mask].double())
+    return torch.cat(diffs)
