@@ -84,6 +84,12 @@ def test_server_environment_drops_torchrun_variables_and_ignores_generation_conf
     assert env["KEEP_ME"] == "1" and env["VLLM_API_KEY"] == "t"
     cmd = server.command()
     assert cmd[cmd.index("--generation-config") + 1] == "vllm"
+    if not torch.cuda.is_available():
+        # vLLM's CPU auto-binding refuses TP 2 on one NUMA node: each rank gets its own cores.
+        monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 5})
+        tp2 = RolloutServer(str(tmp_path), tmp_path, RolloutConfig(tensor_parallel_size=2), 128, token="t")
+        assert tp2.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,5"
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env                       # TP 1: vLLM's default
 
 
 def test_verification_statistics_and_dtype_bounds() -> None:

@@ -135,6 +135,8 @@ class RolloutServer:
             # (bench/sync_bench.py). An explicit setting in the environment wins.
             env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
             env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 33))
+            if self.cfg.tensor_parallel_size > 1:
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(self.cfg.tensor_parallel_size))
         return env
 
     def start(self) -> None:
@@ -214,6 +216,17 @@ class RolloutServer:
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
         return self.post("/collective_rpc", {"method": method, "args": list(args)}, timeout=timeout)["results"]
+
+
+def cpu_thread_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND giving each TP rank its own share of this process's cores.
+    vLLM's automatic binding wants a NUMA node per rank and refuses TP 2 on a one-node machine."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ServerError(f"tensor_parallel_size {ranks} on CPU needs at least {ranks} cores; {len(cores)} available")
+    per = len(cores) // ranks
+    parts = [cores[i * per:(i + 1) * per] for i in range(ranks)]
+    return "|".join(",".join(str(c) for c in p) for p in parts)
 
 
 LAUNCHER_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
