@@ -21,17 +21,17 @@ pytestmark = pytest.mark.slow
 CORRUPT = "model.layers.1.self_attn.o_proj.weight"
 
 
-def run(fields: dict, tmp_path: Path, dtype: str, nproc: int, layout: str, **server: object) -> dict:
+def run(fields: dict, tmp_path: Path, trainer_dtype: str, nproc: int, layout: str, **server: object) -> dict:
     model = tiny_model_with_tokenizer(fields, tmp_path / "model", seed=4)
     handle = start_server(model, tmp_path / "run", **server)
     try:
         out = tmp_path / "verify.json"
-        torchrun("verify_worker.py", str(model), handle.base_url, str(handle.rollout_dir / "token"), dtype, layout,
+        torchrun("verify_worker.py", str(model), handle.base_url, str(handle.rollout_dir / "token"), trainer_dtype, layout,
                  CORRUPT, str(out), nproc=nproc)
     finally:
         handle.stop()
     result = json.loads(out.read_text())
-    print(f"\n{fields['architectures'][0]} {dtype} server TP{server.get('tensor_parallel_size', 1)}: "
+    print(f"\n{fields['architectures'][0]} {trainer_dtype} server TP{server.get('tensor_parallel_size', 1)}: "
           + json.dumps({k: v for k, v in result.items() if k != "server_report"}))
     return result
 
