@@ -15,7 +15,9 @@ import torch
 
 from megatron_rl.train import verification
 from tests.mp.launch import torchrun
-from tests.rollout_fixtures import TINY_DENSE, TINY_MOE, start_server, tiny_model_with_tokenizer
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout.server import RolloutServer
+from tests.rollout_fixtures import TINY_DENSE, TINY_MOE, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 CORRUPT = "model.layers.1.self_attn.o_proj.weight"
@@ -23,7 +25,10 @@ CORRUPT = "model.layers.1.self_attn.o_proj.weight"
 
 def run(fields: dict, tmp_path: Path, trainer_dtype: str, nproc: int, layout: str, **server: object) -> dict:
     model = tiny_model_with_tokenizer(fields, tmp_path / "model", seed=4)
-    handle = start_server(model, tmp_path / "run", **server)
+    cfg = RolloutConfig(**{"enforce_eager": True, "dtype": "float32", "max_concurrency": 16,
+                           "startup_timeout_s": 300, "max_retries": 6, **server})
+    handle = RolloutServer(str(model), tmp_path / "run", cfg, max_model_len=128)
+    handle.start()
     try:
         out = tmp_path / "verify.json"
         torchrun("verify_worker.py", str(model), handle.base_url, str(handle.rollout_dir / "token"), trainer_dtype, layout,
