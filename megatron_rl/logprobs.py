@@ -24,8 +24,8 @@ entropy bonus of the objectives trains through it.
 
 Transformer-Engine: when ``transformer_engine`` imports and the logits are on CUDA
 (and the shards are equal, as TE assumes), the target log-prob comes from TE's
-fused ``parallel_cross_entropy`` kernel. Entropy, when requested, still takes the
-chunked torch path (a second pass). TE receives a fresh ``logits / T`` buffer
+fused ``parallel_cross_entropy`` kernel, when entropy is not requested (with entropy the
+chunked torch pass yields both). TE receives a fresh float32 ``logits / T`` buffer,
 because some TE versions write the gradient into their input in place. Older TE
 versions reject TP > 1 with an assertion; we then fall back to the torch path
 for the rest of the process (with a warning).
@@ -184,8 +184,11 @@ def _te_target_logprobs(
     except ImportError:
         return None
     try:
-        # Fresh buffer on purpose: some TE versions overwrite their input with the gradient.
-        nll = parallel_cross_entropy((logits / temperature).unsqueeze(0), target.unsqueeze(0), 0.0, False, group)
+        # z/T in fp32, as the torch path and vLLM do (a bf16 division rounds z/T a second time:
+        # up to ~0.05 nat at |z| ~ 20). Also a fresh buffer, which some TE versions overwrite with
+        # the gradient.
+        tempered = logits.float().div_(temperature)
+        nll = parallel_cross_entropy(tempered.unsqueeze(0), target.unsqueeze(0), 0.0, False, group)
     except AssertionError as err:  # raised identically on every rank, so all fall back together
         _te_disabled = True
         warnings.warn(f"Transformer-Engine cross-entropy unusable here ({err}); using the torch path")
@@ -221,17 +224,15 @@ def vocab_parallel_logprobs(
     start = rank * local_vocab if vocab_start is None else vocab_start
     flat_logits = logits.reshape(-1, local_vocab)
     flat_target = target.reshape(-1)
-    te_logp = None
-    if _want_te(use_te, flat_logits, start, rank):
+    # With entropy the chunked pass computes the log-probs as well; TE would only add a second
+    # pass and a [tokens, vocab/TP] buffer kept for its backward.
+    if not with_entropy and _want_te(use_te, flat_logits, start, rank):
         te_logp = _te_target_logprobs(flat_logits, flat_target, float(temperature), tp_group)
-    if te_logp is not None and not with_entropy:
-        return LogProbOutput(te_logp.reshape(target.shape), None)
+        if te_logp is not None:
+            return LogProbOutput(te_logp.reshape(target.shape), None)
     logp, entropy = _ChunkedLogProbs.apply(
         flat_logits, flat_target, start, float(temperature), tp_group, int(chunk_size), with_entropy
     )
-    if te_logp is not None:
-        # The torch log-prob output goes unused, so its backward only pays for the entropy.
-        logp = te_logp
     return LogProbOutput(logp.reshape(target.shape), entropy.reshape(target.shape) if with_entropy else None)
 
 

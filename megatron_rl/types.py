@@ -55,6 +55,11 @@ class TrainBatch:
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    def to(self, device: torch.device) -> TrainBatch:
+        """The same rows with every tensor on `device` (no copy for tensors already there)."""
+        fields = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
+        return TrainBatch(**fields)
+
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop) of the RL part; the SFT part is split proportionally by the caller."""
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:

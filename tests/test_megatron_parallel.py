@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -64,13 +65,18 @@ def test_checkpoint_saved_at_one_layout_loads_at_others(tiny_moe: Path, tmp_path
     assert not result["ep2"]["optimizer_loaded"]               # reported, weights still loaded
 
 
-def test_non_finite_loss_skips_the_update(tiny_moe: Path, tmp_path: Path) -> None:
+def test_non_finite_loss_or_gradient_skips_the_update(tiny_moe: Path, tmp_path: Path) -> None:
     out = tmp_path / "nan.json"
     torchrun("nan_worker.py", str(tiny_moe), str(out))
     r = json.loads(out.read_text())
     assert r["bad_skipped"] == 1.0 and not r["bad_loss_finite"]
     assert r["weights_unchanged_after_bad"]                # NaN never reached the weights
     assert r["good_skipped"] == 0.0 and r["weights_changed_after_good"]
+    # A NaN gradient with a finite loss (poisoned on one rank): the norm is checked after the
+    # gradients are prepared, every rank skips, and the weights stay as they were.
+    assert math.isfinite(r["grad_loss"]) and not math.isfinite(r["grad_norm_poisoned"])
+    assert r["grad_skipped_on_all_ranks"] == 1.0 and r["weights_unchanged_after_bad_grad"]
+    assert math.isfinite(r["good_grad_norm"]) and r["good_grad_norm"] > 0
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense", "next"])

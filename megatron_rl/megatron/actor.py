@@ -28,6 +28,7 @@ from ..objectives import (
     get_objective,
 )
 from ..types import TrainBatch
+from .devices import compute_device, init_distributed
 from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
 from .providers import ModelRecipe, ParallelLayout, build_gpt_model
 
@@ -35,15 +36,15 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 
 def init_parallel(layout: ParallelLayout, seed: int) -> None:
-    """torch.distributed (gloo on CPU, NCCL on GPU) + Megatron's parallel groups, re-entrant."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    """torch.distributed (see `devices.init_distributed`) + Megatron's parallel groups, re-entrant."""
+    init_distributed()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -108,7 +109,10 @@ class Actor:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         """Token budget of a micro-batch (see `microbatch.py`); None = `micro_batch_size` padded rows."""
         self.training = training
-        model = build_gpt_model(recipe)
+        self.device = compute_device()
+        # Every parameter on the device, also those megatron builds without one (the shared-expert
+        # gate, the GDN output norm): the frozen reference gets no DDP to move them.
+        model = build_gpt_model(recipe).to(self.device)
         self.trainable = training is not None
         if training is not None:
             p = training.parallelism
@@ -189,7 +193,7 @@ class Actor:
 
     # ------------------------------------------------------------------ forward
     def _logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         return model(tokens, positions, None)
 
     def _tokens_of(self, mb: TrainBatch) -> torch.Tensor:
@@ -201,9 +205,13 @@ class Actor:
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], ps.get_tensor_model_parallel_group(),
+        """[rows, L−1] log-probs of tokens[:, 1:]. All L positions are scored against the targets
+        shifted left (the last one is a dummy) and the last column dropped: `logits[:, :-1]` is not
+        contiguous for more than one row, and flattening it would copy all the logits."""
+        targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
+        out = vocab_parallel_logprobs(logits, targets, ps.get_tensor_model_parallel_group(),
                                       temperature=temperature, with_entropy=with_entropy)
-        return out.logprobs, out.entropy
+        return out.logprobs[:, :-1], None if out.entropy is None else out.entropy[:, :-1]
 
     def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool) -> list[Any]:
         seq_len = max(self._tokens_of(mb).shape[1] for mb in mbs)
@@ -214,7 +222,7 @@ class Actor:
         # spend the savings.
 
         def forward_step(data_iterator: Iterator[TrainBatch], model: torch.nn.Module) -> tuple[Any, Any]:
-            mb = next(data_iterator)
+            mb = next(data_iterator).to(self.device)
             tokens = self._tokens_of(mb)
             if not budget:
                 tokens = torch.nn.functional.pad(tokens, (0, seq_len - tokens.shape[1]))
@@ -227,7 +235,8 @@ class Actor:
         )
 
     def compute_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        """Per-target-position log-probs of `batch.tokens` [N, L−1], on every rank.
+        """Per-target-position log-probs of `batch.tokens` [N, L−1], on every rank, on the CPU
+        (everything above the actor stays on the CPU; micro-batches move to the device here).
 
         With a token budget a row is computed only through its last masked target (`batch.mask`);
         the positions after it hold 0 or a pad's log-prob, as the padded path's pads do."""
@@ -255,7 +264,7 @@ class Actor:
             parts = [r["logprobs"] for r in reports]
             full = self._gather_dp(torch.cat(parts, dim=0)) if plans is None else \
                 self._scatter_dp(plans, parts, rows.num_rows, rows.mask.shape[1], max(needed_lengths(rows.mask)) - 1)
-            full = full[:n]
+            full = full[:n].cpu()
         return _broadcast_from_last_stage(full)
 
     @staticmethod
@@ -267,15 +276,14 @@ class Actor:
         Each row lives on exactly one DP rank, so a sum over ranks of zero-filled buffers is
         exact; NCCL needs the buffer on the GPU, gloo takes it where it is."""
         group = ps.get_data_parallel_group()
-        home = parts[0].device
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else home
+        device = parts[0].device        # CPU under gloo, the rank's GPU under NCCL (or cpu:gloo,cuda:nccl)
         used = min(used, width)
         full = torch.zeros(num_rows, used, dtype=parts[0].dtype, device=device)
         for plan, logp in zip(plans, parts):
             w = min(used, logp.shape[1])
             full[torch.tensor(plan.rows, device=device), :w] = logp[:, :w].to(device)
         dist.all_reduce(full, group=group)
-        return torch.nn.functional.pad(full, (0, width - used)).to(home)
+        return torch.nn.functional.pad(full, (0, width - used))
 
     @staticmethod
     def _gather_dp(local: torch.Tensor) -> torch.Tensor:
@@ -297,6 +305,8 @@ class Actor:
         need_entropy = cfg.entropy_coef > 0
 
         def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
+            # Entropy comes from the same chunked pass as the log-probs (no extra pass; detached
+            # unless the loss has an entropy term), and is logged either way.
             logp, entropy = self._logprobs(logits, tokens, temperature, with_entropy=True)
             rows, width = mb.tokens.shape[0], mb.tokens.shape[1] - 1
             inputs = LossInputs(
@@ -314,22 +324,35 @@ class Actor:
         self.optimizer.zero_grad()
         reports = self._run(mbs, loss_for, forward_only=False)
         metrics = self._reduce_reports(reports)
-        grad_norm = float(self.optimizer.get_grad_norm())
-        finite = math.isfinite(grad_norm) and all(math.isfinite(v) for k, v in metrics.items()
-                                                  if k.startswith("loss/"))
+        loss_finite = all(math.isfinite(v) for k, v in metrics.items() if k.startswith("loss/"))
         # A non-finite loss or gradient would poison the weights and Adam's moments: skip the
         # update (the caller counts skipped steps and stops after several in a row).
-        ok = False
-        if finite:
-            ok, grad_norm, _ = self.optimizer.step()
-            if ok:
-                self.scheduler.step(increment=1)
+        ok, grad_norm = self._guarded_step() if loss_finite else (False, math.nan)
+        if ok:
+            self.scheduler.step(increment=1)
         self._finish_param_gather()
         self.step += 1
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        metrics["grad_norm"] = grad_norm
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["update_skipped"] = float(not (finite and ok))
+        metrics["update_skipped"] = float(not ok)
         return metrics
+
+    def _guarded_step(self) -> tuple[bool, float]:
+        """Megatron's optimizer step, split so that a non-finite gradient norm skips it.
+
+        bf16 has no grad scaler, so `prepare_grads` finds no inf on its own, and the main grads
+        exist only after it ran (before, the norm reads as 0). A NaN/Inf gradient under a finite
+        loss would otherwise reach the weights and Adam's moments. Returns (stepped, norm)."""
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if found_inf or not math.isfinite(grad_norm):
+            return False, grad_norm
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+            if params and opt.config.clip_grad > 0.0:
+                clip_grad_by_total_norm_fp32(params, opt.config.clip_grad, grad_norm,
+                                             use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return bool(self.optimizer.step_with_ready_grads()), grad_norm
 
     def _reduce_reports(self, reports: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         metrics: dict[str, float] = {}

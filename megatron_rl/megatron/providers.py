@@ -94,9 +94,11 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         add_qkv_bias=bool(hf["attention_bias"]),
         gated_linear_unit=True,
         activation_func=F.silu,
-        bias_activation_fusion=False,
+        # Fused SwiGLU and bias-dropout-add on GPU (TE); the rope, softmax, layer-norm and
+        # wgrad-accumulation fusions need apex or shape checks this project has not run yet.
+        bias_activation_fusion=use_transformer_engine(),
         masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
+        bias_dropout_fusion=use_transformer_engine(),
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -150,7 +152,9 @@ def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
-        moe_grouped_gemm=False,
+        # TE's grouped GEMM on GPU (one kernel for a layer's local experts instead of a loop); its
+        # `experts.linear_fc1.weight{i}` names are mapped in weights/sharding.py.
+        moe_grouped_gemm=use_transformer_engine(),
         moe_permute_fusion=False,
     )
 
@@ -159,7 +163,8 @@ def _local_or_te_spec(num_experts: int | None) -> Any:
     if use_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=True)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=True,
+                                                          moe_grouped_gemm=num_experts is not None)
     return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
                                     normalization="RMSNorm")
 

@@ -113,6 +113,10 @@ class RolloutServer:
                 "--worker-extension-cls", "megatron_rl.rollout.worker_ext.WorkerExtension",
                 "--logprobs-mode", "processed_logprobs" if c.logprobs_mode == "processed" else "raw_logprobs",
                 "--served-model-name", "policy", "--disable-log-stats",
+                # vLLM's own sampling defaults, not the checkpoint's generation_config.json: a
+                # repetition_penalty or min_p there would change the behaviour policy behind the
+                # trainer's back (the client sends only temperature, top_p and top_k).
+                "--generation-config", "vllm",
                 # Token ids in and out: detokenizing every generated token cost ~13% of the
                 # tokens/s here (bench/rollout_client_bench.py); EOS comes with each request.
                 "--skip-tokenizer-init"]
@@ -123,7 +127,8 @@ class RolloutServer:
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ, VLLM_API_KEY=self.token, VLLM_SERVER_DEV_MODE="1",
+        inherited = {k: v for k, v in os.environ.items() if not _is_launcher_variable(k)}
+        env = dict(inherited, VLLM_API_KEY=self.token, VLLM_SERVER_DEV_MODE="1",
                    VLLM_CPU_KVCACHE_SPACE=str(self.cfg.cpu_kvcache_gb), MRL_PARENT_PID=str(os.getpid()))
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
@@ -133,6 +138,8 @@ class RolloutServer:
             # (bench/sync_bench.py). An explicit setting in the environment wins.
             env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 32))
             env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 33))
+            if self.cfg.tensor_parallel_size > 1:
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(self.cfg.tensor_parallel_size))
         return env
 
     def start(self) -> None:
@@ -218,6 +225,28 @@ class RolloutServer:
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
         return self.post("/collective_rpc", {"method": method, "args": list(args)}, timeout=timeout)["results"]
+
+
+def cpu_thread_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND giving each TP rank its own share of this process's cores.
+    vLLM's automatic binding wants a NUMA node per rank and refuses TP 2 on a one-node machine."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ServerError(f"tensor_parallel_size {ranks} on CPU needs at least {ranks} cores; {len(cores)} available")
+    per = len(cores) // ranks
+    parts = [cores[i * per:(i + 1) * per] for i in range(ranks)]
+    return "|".join(",".join(str(c) for c in p) for p in parts)
+
+
+LAUNCHER_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                                "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+"""What torchrun sets for the trainer's own process group. vLLM starts its own workers and groups;
+inherited, these would make it read the trainer's rank and rendezvous as its own."""
+
+
+def _is_launcher_variable(name: str) -> bool:
+    return name in LAUNCHER_VARIABLES or name.startswith("TORCHELASTIC_")
 
 
 def _kill_group(pid: int) -> None:

@@ -29,8 +29,9 @@ class WorkerExtension:
         """Load every tensor the manifest lists; returns what was loaded."""
         spec = json.loads(manifest)
         segments = self._mrl_map_segments(spec["segments"])
-        self.model_runner.reload_weights(weights_iterator=_views(spec["tensors"], segments),
-                                         is_checkpoint_format=True)
+        # The worker's own reload_weights, not the model runner's: it enters vLLM's config
+        # context, which some GPU MoE paths assert (get_current_vllm_config).
+        self.reload_weights(weights_iterator=_views(spec["tensors"], segments), is_checkpoint_format=True)
         repacked = _repack_cpu_moe(self.model_runner.get_model())
         self._mrl_version = int(version)
         return {"version": self._mrl_version, "tensors": len(spec["tensors"]), "moe_layers_repacked": repacked}

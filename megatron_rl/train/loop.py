@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..config.loader import to_dict
 from ..config.schema import RecipeConfig
 from ..console import Progress
 from ..objectives.chord import optimizer_step
@@ -24,13 +25,13 @@ from .step_parts import minibatches, probe_batch, sft_batch, step_metrics
 
 def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     task = resolve_task(cfg.task, cfg.rewards.weights)      # a bad plugin fails before any model
-    init_process_group()
+    init_process_group(cfg.trainer.collective_timeout_min)
     run_dir = make_run_dir(cfg, resume)
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
     session = Session(cfg, run_dir, task)
     total, prompts_per_step = session.total_steps, session.prompts_per_step
     start = session.resume() if resume else 0
-    log = MetricsLog(run_dir, start, cfg.logging.tensorboard, cfg.logging.wandb_project, run_dir.name, {})
+    log = open_metrics_log(cfg, run_dir, start)
     session.install_signal_handlers()
     seq_len = r.max_prompt_length + r.max_response_length
     pad = session.tokenizer.pad_token_id or 0
@@ -42,7 +43,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
         session.sync()
         first = session.verify(probe)
         if session.rank0:
-            print(startup_summary(cfg, session, task, start, first["sync/verify_max_abs_diff"]), flush=True)
+            print(startup_summary(cfg, session, task, start, first), flush=True)
         progress = Progress(start + 1, total)
         bad_in_row = 0
         for step in range(start + 1, total + 1):
@@ -85,7 +86,8 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             if penalty is not None:
                 metrics["kl_in_reward/mean"] = float(penalty.mean())
             metrics.update({"data/epoch": session.order.epoch, "data/position": session.order.position})
-            log.log(step, metrics)
+            if log is not None:
+                log.log(step, metrics)
             if session.rank0 and step % cfg.logging.log_interval == 0:
                 print(console_line(progress.line(step), metrics), flush=True)
             session.agree_on_stop()
@@ -99,8 +101,18 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             export_hf(session.actor.model, session.adapter, session.hf_dir, run_dir / "hf_export")
         return run_dir
     finally:
-        log.close()
+        if log is not None:
+            log.close()
         session.close()
+
+
+def open_metrics_log(cfg: RecipeConfig, run_dir: Path, start: int) -> MetricsLog | None:
+    """Rank 0 is the one writer of metrics.jsonl, TensorBoard and W&B (every rank has the same
+    step metrics); W&B records the resolved recipe as the run's config."""
+    if dist.get_rank() != 0:
+        return None
+    lg = cfg.logging
+    return MetricsLog(run_dir, start, lg.tensorboard, lg.wandb_project, run_dir.name, to_dict(cfg))
 
 
 def _rollout(session: Session, indices: list[int], step: int) -> list:

@@ -11,7 +11,8 @@ from ..console import summary
 from ..tasks import LoadedTask
 
 
-def startup_summary(cfg: RecipeConfig, session: Any, task: LoadedTask, start: int, verify_diff: float) -> str:
+def startup_summary(cfg: RecipeConfig, session: Any, task: LoadedTask, start: int,
+                    verified: dict[str, float]) -> str:
     p, r = cfg.parallelism, cfg.rollout
     world = dist.get_world_size()
     dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
@@ -26,7 +27,8 @@ def startup_summary(cfg: RecipeConfig, session: Any, task: LoadedTask, start: in
                    f" · EP {p.expert_model_parallel_size} · DP {dp}"),
         ("algorithm", f"{cfg.algorithm.name}, {cfg.algorithm.steps_per_generation} update(s) per rollout"),
         ("task", f"{task.task.name}: {rewards}"),
-        ("server", f"{servers} (weights verified, max |Δ log-prob| {verify_diff:.2g})"),
+        ("server", f"{servers} (weights verified: |Δ log-prob| mean {verified['sync/verify_mean_abs_diff']:.2g}, "
+                   f"max {verified['sync/verify_max_abs_diff']:.2g})"),
         ("steps", f"{steps} × {session.prompts_per_step} prompts × {r.n} samples"),
         ("run dir", str(session.run_dir)),
     ]

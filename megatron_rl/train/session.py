@@ -21,6 +21,7 @@ from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, Training, init_parallel
 from ..megatron.checkpoint import (latest_checkpoint, load_checkpoint, load_weights, prune_checkpoints,
                                   remove_partial_checkpoints, save_checkpoint)
+from ..megatron.devices import wait_for_rank0
 from ..megatron.providers import build_model_recipe
 from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
@@ -33,6 +34,7 @@ from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
 from ..weights.sync import FanoutTransport, sync_weights
 from ..weights.transport_file import FileTransport
+from . import verification
 from .data_order import DataOrder
 from .setup import load_prompts, load_sft_tokens, require_eos
 
@@ -134,6 +136,9 @@ class Session:
 
     def sync(self) -> dict[str, float]:
         """Push the actor's weights to the server under a new version (collective)."""
+        # Rank 0 may have spent minutes starting the server or generating: wait for it on the CPU,
+        # not inside the NCCL collectives of the gather.
+        wait_for_rank0()
         self.version += 0 if self.resync_restored else 1
         self.resync_restored = False
         report = sync_weights(self.actor.model, self.adapter, self.transport, self.version, self.dtype)
@@ -142,25 +147,29 @@ class Session:
         return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}
 
     def verify(self, probe: TrainBatch) -> dict[str, float]:
-        """Server log-probs of fixed sequences == the trainer's own (T = 1), within the tolerance."""
-        trainer_lp = self.actor.compute_logprobs(probe, temperature=1.0)
-        diff = torch.zeros(())
+        """Server log-probs of fixed sequences vs the trainer's own (T = 1): statistics of |Δ| over
+        the probe's response tokens, gated by the bounds of the weights' dtype (`verification`)."""
+        trainer_lp = self.actor.compute_logprobs(probe, temperature=1.0)      # on the CPU
+        stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
+        limits = verification.limits_for(self.dtype, self.cfg.rollout.verify_tolerance)
         if self.rank0:
-            seqs = [row[: int(m.nonzero().max()) + 2].tolist() for row, m in zip(probe.tokens, probe.mask)]
+            seqs = verification.probe_sequences(probe)
+            # What a restarted server is checked against (max |Δ|: a server restarted with other
+            # weights is off by O(1); bf16 has no max bound of its own, so 10× its p90 bound).
             expected = ProbeExpectation(self.version, seqs, [
                 [float(trainer_lp[i, j]) if probe.mask[i, j] > 0 else None for j in range(len(seq) - 1)]
-                for i, seq in enumerate(seqs)], self.cfg.rollout.verify_tolerance)
+                for i, seq in enumerate(seqs)], limits.max if limits.max is not None else 10 * limits.p90)
+            clients = []
             for client, supervisor in zip(self.clients, self.supervisors):     # every server must agree
-                supervisor.expected = expected                  # what a restarted server is checked against
-                for i, lp in enumerate(supervisor.call("the sync verification", client.prompt_logprobs, seqs)):
-                    mask = probe.mask[i, :len(lp)] > 0
-                    got = torch.tensor(lp)[mask]
-                    diff = torch.maximum(diff, (got - trainer_lp[i, :len(lp)][mask]).abs().max())
-        dist.broadcast(diff, src=0)
-        if float(diff) > self.cfg.rollout.verify_tolerance or not math.isfinite(float(diff)):
-            raise Stop(f"weight-sync verification failed at version {self.version}: max |Δ log-prob| "
-                       f"{float(diff):.3g} > {self.cfg.rollout.verify_tolerance:g} (server and trainer disagree)")
-        return {"sync/verify_max_abs_diff": float(diff)}
+                supervisor.expected = expected
+                clients.append(_Supervised(client, supervisor))
+            stats = verification.diff_stats(verification.server_diffs(trainer_lp, probe, clients))
+        dist.broadcast(stats, src=0)                         # a CPU tensor: gloo, also on GPU runs
+        problem = verification.failure(stats, limits)
+        if problem:
+            raise Stop(f"weight-sync verification failed at version {self.version} ({self.dtype}): {problem} "
+                       "(server and trainer disagree)")
+        return verification.as_metrics(stats)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> Path:
@@ -254,3 +263,14 @@ def timed(timings: dict[str, float], name: str) -> Any:
             timings[f"time/{name}"] = time.perf_counter() - self.t
 
     return _Timer()
+
+
+class _Supervised:
+    """A client whose verification requests go through its server's supervisor (a crash
+    restarts the server, re-sends the weights and redoes the request)."""
+
+    def __init__(self, client: RolloutClient, supervisor: ServerSupervisor) -> None:
+        self.client, self.supervisor = client, supervisor
+
+    def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
+        return self.supervisor.call("the sync verification", self.client.prompt_logprobs, seqs)

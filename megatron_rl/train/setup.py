@@ -15,22 +15,22 @@ import torch.distributed as dist
 from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
 from ..data.schema import DataError, PromptRecord, SFTRecord, read_prompts, read_sft
+from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, init_distributed
 
 
-def init_process_group() -> None:
+def init_process_group(timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN) -> None:
     """torchrun sets the rendezvous; a plain `python` run is a world of one on loopback."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:
         # A world of one needs no rendezvous: an in-process store instead of a TCPStore, which
         # would listen unauthenticated on every interface for the whole run; gloo's own pair
         # socket stays on loopback.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        init_distributed(timeout_min, store=dist.HashStore())
         return
-    dist.init_process_group(backend)
+    init_distributed(timeout_min)
 
 
 def make_run_dir(cfg: RecipeConfig, resume: bool) -> Path:

@@ -10,6 +10,7 @@ gated linear unit) has two equal halves; other modules name their sections on th
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -25,7 +26,9 @@ from megatron.core import parallel_state as ps  # noqa: E402
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-from ..megatron.sections import TP_SECTIONS_ATTR  # noqa: E402  (defined beside the providers that set it)
+_GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+"""TE's grouped-GEMM experts (`TEGroupedMLP`): expert i's weight is `experts.linear_fc1.weight{i}`."""
+from ..megatron.sections import GDN_SHARDED_KEYS, TP_SECTIONS_ATTR  # noqa: E402  (beside the providers that set them)
 
 
 @dataclass
@@ -67,6 +70,38 @@ class LocalParam:
         return self.in_first_replica() and dist.get_rank(self.tp_group) == 0
 
 
+@functools.cache
+def te_aliases() -> dict[str, str]:
+    """Transformer-Engine name prefix → local-spec name prefix, within a layer.
+
+    TE fuses the norm before a linear into that linear (`linear_qkv.layer_norm_weight` is the
+    local `input_layernorm.weight`). The table is the inverse of megatron's own
+    `sharded_state_dict_keys_map` of the local specs (the map that lets dist-checkpoints cross the
+    two specs), read from megatron-core, which needs no TE for it.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    local = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    maps = [local.submodules.sharded_state_dict_keys_map, GDN_SHARDED_KEYS]
+    return {te: name for keys in maps for name, te in keys.items()}
+
+
+def local_spec_name(name: str) -> str:
+    """A parameter name of either spec (TE or local) in the local spec's naming, which the
+    weight map uses. Layer and expert numbers are kept as they are (local)."""
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    prefix, rest = name[:m.end()], name[m.end():]
+    for te, local in te_aliases().items():
+        if rest.startswith(te):
+            return prefix + local + rest[len(te):]
+    g = _GROUPED_EXPERT.search(rest)
+    if g:
+        rest = rest[:g.start()] + f".experts.local_experts.{g.group(3)}.{g.group(1)}.{g.group(2)}"
+    return prefix + rest
+
+
 def local_params(model: torch.nn.Module) -> list[LocalParam]:
     """This rank's parameters with their global names and sharding."""
     model = unwrap(model)
@@ -76,12 +111,12 @@ def local_params(model: torch.nn.Module) -> list[LocalParam]:
         if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
             continue   # a copy of the embedding on the last stage, not a weight of its own
         layer = None
-        global_name = name
-        m = _LAYER.match(name)
+        global_name = local_spec_name(name)
+        m = _LAYER.match(global_name)
         if m:
             local = int(m.group(1))
             layer = model.decoder.layers[local].layer_number - 1
-            global_name = f"decoder.layers.{layer}." + name[m.end():]
+            global_name = f"decoder.layers.{layer}." + global_name[m.end():]
         e = _EXPERT.search(global_name)
         if e:
             num_local = config.num_moe_experts // ps.get_expert_model_parallel_world_size()

@@ -47,6 +47,19 @@ def _direct(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
+def one_result(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's collective RPC answers once per worker (TP × PP of an engine; under DP, those of
+    the first engine). Every worker loads the whole manifest, so all must report the same update:
+    a worker that loaded another version or another number of tensors is an error."""
+    if not results:
+        raise RuntimeError("mrl_update: the server returned no worker result")
+    first = results[0]
+    for i, r in enumerate(results[1:], start=1):
+        if r != first:
+            raise RuntimeError(f"mrl_update: vLLM workers disagree: worker 0 reported {first}, worker {i} {r}")
+    return {**first, "workers": len(results)}
+
+
 def _shm_root() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
@@ -201,7 +214,7 @@ class FileTransport:
         """pause → update → reset prefix cache → resume; redone from the start if the server died."""
         self.server.post("/pause", params={"mode": "wait"})
         try:
-            (result,) = self.server.rpc("mrl_update", str(version), manifest)
+            result = one_result(self.server.rpc("mrl_update", str(version), manifest))
             self.server.post("/reset_prefix_cache")
         finally:
             self.server.post("/resume")
@@ -215,7 +228,7 @@ class FileTransport:
                                    "finish; a full sync is needed")
             return None
         version, manifest, _ = self.latest
-        (result,) = self.server.rpc("mrl_update", str(version), manifest)
+        result = one_result(self.server.rpc("mrl_update", str(version), manifest))
         self.server.post("/reset_prefix_cache")
         return result
 

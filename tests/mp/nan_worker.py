@@ -1,5 +1,6 @@
-"""torchrun worker: a non-finite loss skips the optimizer update and leaves weights and Adam
-state untouched; the next finite step updates normally. Writes a JSON report from rank 0."""
+"""torchrun worker: a non-finite loss, or a non-finite gradient under a finite loss, skips the
+optimizer update and leaves weights and Adam state untouched; the next finite step updates
+normally. Writes a JSON report from rank 0."""
 
 from __future__ import annotations
 
@@ -49,13 +50,26 @@ def main() -> None:
     m_bad = actor.train_step(bad, AlgorithmConfig(), "grpo", 1.0, 0)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
     lr_after_bad = m_bad["lr"]
+    # A NaN gradient under a finite loss, on one rank only: rank 1 poisons one parameter's
+    # gradient as backward computes it. The skip must be agreed by every rank.
+    param = next(p for p in actor.model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: torch.full_like(g, math.nan)) if dist.get_rank() == 1 else None
+    m_grad = actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
+    if hook is not None:
+        hook.remove()
+    unchanged_grad = all(torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
     m_good = actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
     changed = any(not torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
+    skipped = torch.tensor([m_grad["update_skipped"]])
+    dist.all_reduce(skipped, op=dist.ReduceOp.MIN)       # 1 only if every rank skipped
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({
             "bad_skipped": m_bad["update_skipped"], "bad_loss_finite": math.isfinite(m_bad["loss/total"]),
             "weights_unchanged_after_bad": unchanged, "good_skipped": m_good["update_skipped"],
-            "weights_changed_after_good": changed, "lr_after_bad": lr_after_bad}))
+            "weights_changed_after_good": changed, "lr_after_bad": lr_after_bad,
+            "grad_skipped_on_all_ranks": float(skipped), "grad_loss": m_grad["loss/total"],
+            "grad_norm_poisoned": m_grad["grad_norm"], "weights_unchanged_after_bad_grad": unchanged_grad,
+            "good_grad_norm": m_good["grad_norm"]}))
     dist.barrier()
     dist.destroy_process_group()
 

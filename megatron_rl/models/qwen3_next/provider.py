@@ -23,7 +23,7 @@ import torch
 from ...megatron import cpu_compat
 from ...megatron.providers import ModelRecipe, ParallelLayout, _common_config, _moe_config, _recipe, provider, \
     use_transformer_engine
-from ...megatron.sections import TP_SECTIONS_ATTR
+from ...megatron.sections import GDN_SHARDED_KEYS, TP_SECTIONS_ATTR
 from ...model_config import num_experts, rope_parameters
 from .layers import ARCH, LINEAR, layer_types
 
@@ -105,7 +105,7 @@ def _local_layer_specs(config: TransformerConfig, types: list[str]) -> list[Modu
         sub = base.submodules
         if kind == LINEAR:
             # Checkpoint keys as under TE, where the input norm lives in GDN's fused in_proj.
-            keys = dict(sub.sharded_state_dict_keys_map, **{"input_layernorm.": "self_attention.in_proj.layer_norm_"})
+            keys = dict(sub.sharded_state_dict_keys_map, **GDN_SHARDED_KEYS)
             sub = dataclasses.replace(sub, self_attention=gdn, sharded_state_dict_keys_map=keys)
         specs.append(ModuleSpec(module=base.module, submodules=sub))
     return specs
@@ -116,7 +116,7 @@ def _te_block_spec(config: TransformerConfig, vp_stage: int | None) -> Transform
 
     Untested here (no GPU). Its parameter names differ from the local spec's where TE fuses the
     input norms into the next linear (`linear_qkv.layer_norm_weight`, `in_proj.layer_norm_weight`,
-    `linear_fc1.layer_norm_weight`), which the weight map, like the Qwen3 ones, does not cover yet.
+    `linear_fc1.layer_norm_weight`); `weights/sharding.py` maps them back to the local names.
     """
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_block_with_experimental_attention_variant_spec,

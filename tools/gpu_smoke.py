@@ -1,0 +1,191 @@
+"""One-GPU smoke check of the trainer's GPU path; prints one JSON line.
+
+Tiny Qwen3-MoE and Qwen3-Next actors (random weights, TP 1) in bf16 on CUDA (or on the CPU, so CI
+keeps this script alive): every parameter of the actor and of a frozen reference on the device,
+each micro-batch on the device inside the actor, log-probs against a float64 reference computed
+from the same logits, a GRPO step that moves the weights, the NaN guard (a NaN gradient under a
+finite loss skips the step and leaves the weights alone), and peak memory.
+
+Needs torch and megatron-core (and PyYAML); no vLLM, Transformer-Engine or transformers. Qwen3-Next
+on CUDA also needs flash-linear-attention (`fla`); without it that model is reported as skipped.
+Run through tools/gpu_smoke.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+QWEN3_MOE: dict[str, Any] = dict(
+    architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64, intermediate_size=128,
+    moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_NEXT: dict[str, Any] = dict(
+    architectures=["Qwen3NextForCausalLM"], vocab_size=256, hidden_size=64, num_hidden_layers=4,
+    full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    partial_rotary_factor=0.25, rope_theta=1000000.0, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, intermediate_size=64,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=512, rms_norm_eps=1e-6,
+    tie_word_embeddings=False)
+MODELS = {"qwen3_moe": QWEN3_MOE, "qwen3_next": QWEN3_NEXT}
+LOGPROB_ATOL = 1e-4
+"""Log-probs from the same logits, fp32 kernel vs float64: round-off only (measured ~1e-6)."""
+TEMPERATURE = 0.9
+
+
+def _world_of_one() -> None:
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _batch(vocab: int, rows: int = 4, length: int = 48, seed: int = 0) -> Any:
+    from megatron_rl.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.zeros(rows, length - 1)
+    mask[:, 8:] = 1.0
+    return TrainBatch(tokens=tokens, mask=mask, advantages=torch.randn(rows, generator=g))
+
+
+def _devices_of(model: torch.nn.Module) -> list[str]:
+    """Devices of every parameter and buffer of the GPTModel (inside DDP, whose `buffers` are
+    its gradient buckets)."""
+    from megatron_rl.megatron.actor import unwrap
+
+    module = unwrap(model)
+    return sorted({str(t.device) for t in [*module.parameters(), *module.buffers()]})
+
+
+def _logprob_check(actor: Any, batch: Any) -> float:
+    """Max |Δ| of the actor's log-prob kernel vs float64 on the same logits."""
+    from megatron_rl.megatron.actor import unwrap
+
+    tokens = batch.tokens.to(actor.device)
+    with torch.no_grad():
+        logits = actor._logits(unwrap(actor.model), tokens)
+        logp, _ = actor._logprobs(logits, tokens, TEMPERATURE, with_entropy=True)
+        ref = torch.log_softmax(logits.double() / TEMPERATURE, -1)[:, :-1].gather(
+            -1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return float((logp.double() - ref).abs().max())
+
+
+def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig
+    from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap
+    from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe
+
+    if name == "qwen3_next" and torch.cuda.is_available() and importlib.util.find_spec("fla") is None:
+        return {"skipped": "flash-linear-attention (fla) is not installed; Qwen3-Next needs it on CUDA"}
+    started = time.perf_counter()
+    init_parallel(ParallelLayout(), seed=1)
+    recipe = build_model_recipe(hf, ParallelLayout(), dtype)
+    actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3), ParallelLayout(), total_updates=4))
+    actor.optimizer.reload_model_params()
+    reference = Actor(recipe, 2, None)
+    seen: set[str] = set()
+    unwrap(actor.model).register_forward_pre_hook(
+        lambda _m, args: seen.update(str(a.device) for a in args if isinstance(a, torch.Tensor)))
+    batch = _batch(hf["vocab_size"])
+    batch.old_logprobs = actor.compute_logprobs(batch, TEMPERATURE)
+    batch.ref_logprobs = reference.compute_logprobs(batch, TEMPERATURE)
+    out: dict[str, Any] = {
+        "param_devices": _devices_of(actor.model), "reference_devices": _devices_of(reference.model),
+        "logprobs_device": str(batch.old_logprobs.device), "logprob_max_abs_err_vs_fp64": _logprob_check(actor, batch)}
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    cfg = AlgorithmConfig(kl_beta=0.05)
+    step = actor.train_step(batch, cfg, "grpo", TEMPERATURE, rl_step=0)
+    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(actor.model.parameters(), before))
+    after = [p.detach().clone() for p in actor.model.parameters()]
+    param = next(p for p in actor.model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: torch.full_like(g, math.nan))
+    poisoned = actor.train_step(batch, cfg, "grpo", TEMPERATURE, rl_step=1)
+    hook.remove()
+    unchanged = all(torch.equal(p.detach(), a) for p, a in zip(actor.model.parameters(), after))
+    out.update(batch_devices=sorted(seen), loss=step["loss/total"], grad_norm=step["grad_norm"],
+               update_skipped=step["update_skipped"], max_weight_change=moved,
+               nan_guard={"loss": poisoned["loss/total"], "grad_norm": poisoned["grad_norm"],
+                          "skipped": poisoned["update_skipped"], "weights_unchanged": unchanged},
+               seconds=round(time.perf_counter() - started, 2))
+    return out
+
+
+def _failures(name: str, r: dict[str, Any], device: str) -> list[str]:
+    if "skipped" in r:
+        return []
+    checks = {
+        "every parameter on the device": r["param_devices"] == [device] and r["reference_devices"] == [device],
+        "micro-batches on the device": r["batch_devices"] == [device],
+        "log-probs returned on the CPU": r["logprobs_device"] == "cpu",
+        f"log-probs within {LOGPROB_ATOL:g} of float64": r["logprob_max_abs_err_vs_fp64"] <= LOGPROB_ATOL,
+        "GRPO step applied": r["update_skipped"] == 0.0 and math.isfinite(r["loss"]) and r["max_weight_change"] > 0,
+        "NaN gradient under a finite loss skipped": (math.isfinite(r["nan_guard"]["loss"])
+                                                      and r["nan_guard"]["skipped"] == 1.0
+                                                      and r["nan_guard"]["weights_unchanged"]),
+    }
+    return [f"{name}: {what}" for what, ok in checks.items() if not ok]
+
+
+def _plain(value: Any) -> Any:
+    """Strict JSON: a non-finite float becomes its name ("nan", "inf")."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="qwen3_moe,qwen3_next")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(min(4, os.cpu_count() or 1))
+    _world_of_one()
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()          # a no-op on CUDA; megatron-core needs it on a CPU-only machine
+    from megatron_rl.megatron.devices import compute_device, init_distributed
+
+    init_distributed()
+    device = str(compute_device())
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    report: dict[str, Any] = {"device": device, "torch": torch.__version__, "dtype": args.dtype,
+                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    failures: list[str] = []
+    for name in args.models.split(","):
+        try:
+            report[name] = run_model(name, MODELS[name], dtype)
+        except Exception as exc:          # reported in the JSON line, which is the script's output
+            report[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+            failures.append(f"{name}: {type(exc).__name__}")
+            continue
+        failures += _failures(name, report[name], device)
+    if torch.cuda.is_available():
+        report["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    report["ok"], report["failures"] = not failures, failures
+    print(json.dumps(_plain(report), allow_nan=False), flush=True)
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
