@@ -190,7 +190,7 @@ def _patch_megatron() -> None:
         return tensor
 
     for module in ("megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"):
-        setattr(importlib.import_module(module), "maybe_move_tensor_to_cpu", move_to_cpu)
+        importlib.import_module(module).maybe_move_tensor_to_cpu = move_to_cpu
     _patch_optimizer_state_loading()
     # WrappedTorchNorm asserts against sequence parallelism and zero-centred gamma.
     norm = importlib.import_module("megatron.core.transformer.torch_norm")
@@ -249,7 +249,7 @@ class LocalRMSNorm(torch.nn.Module):
         self.zero_centered = zero_centered
         init = torch.zeros if zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
-        setattr(self.weight, "sequence_parallel", sequence_parallel)
+        self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -122,9 +122,9 @@ def _attach_sft(ranks: list[list[_Group]], sft: list[tuple[int, int]], budget: i
     loads = [sum(g.cost for g in gs) for gs in ranks]
     fitted = True
     for item in sft:
-        def key(rg: tuple[int, _Group]) -> tuple[bool, int, int]:
+        def key(rg: tuple[int, _Group], length: int = item[1]) -> tuple[bool, int, int]:
             r, g = rg
-            grown = g.cost_with(item[1])
+            grown = g.cost_with(length)
             return grown > budget, (loads[r] + grown - g.cost) if grown <= budget else grown, grown - g.cost
         r, g = min(((r, g) for r, gs in enumerate(ranks) for g in gs), key=key)
         fitted &= g.cost_with(item[1]) <= budget or (not g.rows and not g.sft)

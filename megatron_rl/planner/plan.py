@@ -30,8 +30,15 @@ from typing import Any
 
 from ..config.schema import ParallelismConfig, RecipeConfig
 from ..lint import RULES
-from .memory import (Hardware, Layout, RolloutMemory, StageMemory, reserved_by_colocated_vllm,
-                     rollout_memory, worst_stage)
+from .memory import (
+    Hardware,
+    Layout,
+    RolloutMemory,
+    StageMemory,
+    reserved_by_colocated_vllm,
+    rollout_memory,
+    worst_stage,
+)
 from .params import ModelParams, count_params
 
 TP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)

@@ -123,7 +123,8 @@ class PlannedHFWriter(HFCheckpointWriter):
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         begin = 0
         for t in tensors:
-            header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [begin, begin + t.nbytes]}
+            header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [begin, begin + t.nbytes]}
             begin += t.nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-(8 + len(blob)) % 8)     # spaces pad the header; data starts 8-aligned
