@@ -173,13 +173,17 @@ def take(batch: TrainBatch, plan: MicroBatchPlan) -> TrainBatch:
     idx = torch.tensor(plan.rows, dtype=torch.long)
     width = plan.length
 
-    def cut(t: torch.Tensor | None, w: int) -> torch.Tensor | None:
-        return None if t is None else _fit(t.index_select(0, idx), w)
+    def rows(t: torch.Tensor, w: int) -> torch.Tensor:
+        return _fit(t.index_select(0, idx), w)
 
-    mb = TrainBatch(cut(batch.tokens, width), cut(batch.mask, width - 1), batch.advantages.index_select(0, idx),
+    def cut(t: torch.Tensor | None, w: int) -> torch.Tensor | None:
+        return None if t is None else rows(t, w)
+
+    mb = TrainBatch(rows(batch.tokens, width), rows(batch.mask, width - 1), batch.advantages.index_select(0, idx),
                     cut(batch.old_logprobs, width - 1), cut(batch.ref_logprobs, width - 1),
                     cut(batch.rollout_logprobs, width - 1))
     if batch.sft_tokens is not None:
+        assert batch.sft_mask is not None, "expert rows come with their mask"
         sidx = torch.tensor(plan.sft_rows, dtype=torch.long)
         mb.sft_tokens = _fit(batch.sft_tokens.index_select(0, sidx), width)
         mb.sft_mask = _fit(batch.sft_mask.index_select(0, sidx), width - 1)

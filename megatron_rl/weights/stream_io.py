@@ -152,7 +152,7 @@ class PlannedHFWriter(HFCheckpointWriter):
                                   f"got {list(tensor.shape)} {tensor.dtype}")
         if tensor.numel():
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            _pwrite_all(self._fds[slot.shard], memoryview(data), slot.offset)
+            _pwrite_all(self._fds[slot.shard], data.data, slot.offset)   # .data: the array's memoryview
         slot.written = True
         self.bytes_written += slot.info.nbytes
         self._left[slot.shard] -= 1
