@@ -152,7 +152,8 @@ class PlannedHFWriter(HFCheckpointWriter):
                                   f"got {list(tensor.shape)} {tensor.dtype}")
         if tensor.numel():
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            _pwrite_all(self._fds[slot.shard], data.data, slot.offset)   # .data: the array's memoryview
+            # ndarray.data is memoryview(data); numpy's stubs give ndarray the buffer protocol only on 3.12+
+            _pwrite_all(self._fds[slot.shard], data.data, slot.offset)
         slot.written = True
         self.bytes_written += slot.info.nbytes
         self._left[slot.shard] -= 1
