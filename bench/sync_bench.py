@@ -64,6 +64,8 @@ sys.path.insert(0, str(REPO))
 from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # before anything imports megatron-core
+from _report import emit  # noqa: E402  (bench/, the script's own directory)
+
 from megatron_rl.megatron.actor import Actor, init_parallel, unwrap  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
@@ -71,7 +73,6 @@ from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sync import sync_weights  # noqa: E402
 from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
-from _report import emit  # noqa: E402  (bench/, the script's own directory)
 
 # ~491 MB fp32 Qwen3-MoE (all dims multiples of 32, head_dim 64). Exact count, see hf_param_count:
 # per layer q 1024·1024 + k,v 2·256·1024 + o 1024·1024 + q/k-norm 2·64 + 2 layer norms 2·1024

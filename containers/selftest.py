@@ -117,7 +117,8 @@ def check_stack() -> list[str]:
         try:
             getattr(importlib.import_module(module), name)
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"fla: {module}.{name} (megatron-core's Gated DeltaNet needs it): {type(exc).__name__}: {exc}")
+            problems.append(f"fla: {module}.{name} (megatron-core's Gated DeltaNet needs it): "
+                            f"{type(exc).__name__}: {exc}")
     problems += _check_apex()
     return problems
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from .config.schema import RecipeConfig
@@ -120,10 +120,9 @@ def _parallel(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     out += _divides("parallelism.expert_model_parallel_size", ep * etp, world // pp,
                     "world size / PP (EP × ETP must divide it)")
     if hf is not None:
-        out += _divides("parallelism.tensor_model_parallel_size", tp,
-                        int(hf.get("num_attention_heads", tp)), "the model's num_attention_heads")
-        out += _divides("parallelism.tensor_model_parallel_size", tp,
-                        int(hf.get("num_key_value_heads", hf.get("num_attention_heads", tp))),
+        heads = int(hf.get("num_attention_heads", tp))
+        out += _divides("parallelism.tensor_model_parallel_size", tp, heads, "the model's num_attention_heads")
+        out += _divides("parallelism.tensor_model_parallel_size", tp, int(hf.get("num_key_value_heads", heads)),
                         "the model's num_key_value_heads (Megatron's query groups)")
         out += _divides("parallelism.pipeline_model_parallel_size", pp,
                         int(hf.get("num_hidden_layers", pp)), "the model's num_hidden_layers")

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl.config import ConfigError, dump_yaml, load_recipe, write_resolved
-from megatron_rl.config import schema
+from megatron_rl.config import ConfigError, dump_yaml, load_recipe, schema, write_resolved
 from megatron_rl.config.loader import parse_override
 
 REPO = Path(__file__).resolve().parents[1]

@@ -65,7 +65,8 @@ def test_rollout_server_must_fit_one_node() -> None:
     gpu_job = "slurm.gpus_per_node=null"                 # = parallelism.gpus_per_node (1 in the tiny recipes)
     rule = "rollout-server-fits-a-node"
     (msg,) = findings("grpo.yaml", gpu_job, "rollout.tensor_parallel_size=2")[rule]
-    assert msg.startswith("error|rollout.data_parallel_size|") and "TP 2 × DP 1 = 2 GPUs does not fit a node of 1" in msg
+    assert msg.startswith("error|rollout.data_parallel_size|")
+    assert "TP 2 × DP 1 = 2 GPUs does not fit a node of 1" in msg
     assert rule not in findings("grpo.yaml", gpu_job, "rollout.tensor_parallel_size=2",
                                 "parallelism.gpus_per_node=2", "trainer.global_batch_size=256")
     # A CPU job (slurm.gpus_per_node 0, as the tiny recipes set) has no GPUs to count.

@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from megatron_rl.config import load_recipe
+from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, CorrectionConfig
 from megatron_rl.objectives import (
     GlobalDenominators,
     LossInputs,
@@ -26,8 +28,6 @@ from megatron_rl.objectives import (
     phi_weights,
     reduce_metrics,
 )
-from megatron_rl.config import load_recipe
-from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, CorrectionConfig
 from megatron_rl.objectives.common import KL_ESTIMATORS, kl_estimate
 
 TOL = 1e-10

@@ -16,8 +16,14 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
-from megatron_rl.config.schema import (AlgorithmConfig, ModelConfig, ParallelismConfig, RecipeConfig,
-                                       RolloutConfig, TrainerConfig)
+from megatron_rl.config.schema import (
+    AlgorithmConfig,
+    ModelConfig,
+    ParallelismConfig,
+    RecipeConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from megatron_rl.lint import lint
 from megatron_rl.planner import PlannerError, count_params
 from megatron_rl.planner.memory import GB, Hardware, Layout, stage_layer_ranges, stage_memory

@@ -14,15 +14,16 @@ from typing import Any
 import pytest
 import torch
 
+from megatron_rl.models.qwen3_next.layers import layer_types
 from megatron_rl.weights.adapters import adapter_for
 from megatron_rl.weights.hf_io import HFCheckpointReader
-from megatron_rl.models.qwen3_next.layers import layer_types
 from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
 from tests.mp.launch import REPO, torchrun
 
-# Also a case of tests/test_convert.py. Sizes vLLM's CPU backend accepts for Qwen3-Next (bf16 only there): full-attention head_dim ≥ 32,
-# linear-attention key/value head dims ≥ 64, hidden and MoE sizes multiples of 32. Two of each
-# layer type; layer 0 dense (mlp_only_layers) so both MLP kinds are covered.
+# Also a case of tests/test_convert.py. Sizes vLLM's CPU backend accepts for Qwen3-Next (bf16 only
+# there): full-attention head_dim ≥ 32, linear-attention key/value head dims ≥ 64, hidden and MoE
+# sizes multiples of 32. Two of each layer type; layer 0 dense (mlp_only_layers) so both MLP kinds
+# are covered.
 TINY_QWEN3_NEXT: dict[str, Any] = dict(
     architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=256, hidden_size=64,
     num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -62,7 +63,7 @@ def _perturbed_checkpoint(out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
             else:

@@ -108,7 +108,8 @@ def test_memory_options_change_what_megatron_core_builds(tiny_moe: Path, tmp_pat
     assert built["recompute_full"]["recompute"] == ["full", "uniform", 1]
     assert built["recompute_block"]["recompute"] == ["full", "block", 1]
     assert built["recompute_selective"]["recompute"] == ["selective", None, None]
-    assert built["default"]["optimizers"] == ["DistributedOptimizer"] and built["default"]["ddp"] == [True, False, False]
+    assert built["default"]["optimizers"] == ["DistributedOptimizer"]
+    assert built["default"]["ddp"] == [True, False, False]
     assert built["plain_optimizer"]["optimizers"] == ["FP32Optimizer"] and built["plain_optimizer"]["ddp"][0] is False
     assert built["overlap"]["ddp"] == [True, True, True]
     assert built["cpu_offload_bf16"]["inner_optimizers"] == ["HybridDeviceOptimizer"]

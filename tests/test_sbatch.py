@@ -65,7 +65,7 @@ def test_every_recipe_renders_to_a_script_bash_and_shellcheck_accept(recipe: Pat
     assert f"#SBATCH --nodes={cfg.parallelism.nodes + rollout_nodes}" in lines
     assert f"#SBATCH --signal=B:USR1@{cfg.slurm.signal_before_s}" in lines
     assert "#SBATCH --requeue" in lines and "#SBATCH --open-mode=append" in lines
-    assert f"--rdzv-endpoint=\"$HEAD_NODE:$MASTER_PORT\"" in text and "--resume" in text
+    assert "--rdzv-endpoint=\"$HEAD_NODE:$MASTER_PORT\"" in text and "--resume" in text
     if cfg.container.runtime == "none":
         assert "CONTAINER=()" in text
     else:

@@ -114,7 +114,8 @@ def test_rendered_steps_start_what_the_plan_counts(recipe: Path, tmp_path: Path)
 
     train_step = next(s for s in steps if "torch.distributed.run" in s)
     train_nodes = int(option(train_step, "--nodes"))
-    assert option(train_step, "--ntasks-per-node") == "1" and option(train_step, "--gpus-per-node") == str(gpus_per_node)
+    assert option(train_step, "--ntasks-per-node") == "1"
+    assert option(train_step, "--gpus-per-node") == str(gpus_per_node)
     assert option(train_step, "--nodelist") == ",".join(nodes[:train_nodes])
     torchrun = [c for c in python_calls if c["argv"][:2] == ["-m", "torch.distributed.run"]]
     assert [c["node"] for c in torchrun] == nodes[:train_nodes]            # one launcher per trainer node

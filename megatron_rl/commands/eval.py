@@ -2,9 +2,10 @@
 
 `eval igakuqa --pred FILE_OR_DIR --gold DIR [--system NAME] [--rule R] [--json]` prints the report
 as markdown tables (or JSON). `eval table LABEL=PATH... --gold DIR [--baseline LABEL] [--out DIR]`
-renders several systems in the published layouts (`megatron_rl.eval.table`). `eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR]
-[--json]` prints McNemar tables and, with --out, writes compare.md, compare.json and
-category_delta.png there. Bad input exits 1 with one `error: <file>:<line>: <problem>` line.
+renders several systems in the published layouts (`megatron_rl.eval.table`).
+`eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR] [--json]` prints McNemar
+tables and, with --out, writes compare.md, compare.json and category_delta.png there. Bad input
+exits 1 with one `error: <file>:<line>: <problem>` line.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
         job = submit(files.script)
     except SbatchError as exc:
         print(f"error: cannot make a job of {args.recipe}", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        for line in exc.problems:
+            print(f"  {line}", file=sys.stderr)
         return 1
     print(f"Submitted batch job {job}\n  log {str(files.log).replace('%j', job)}")
     return 0

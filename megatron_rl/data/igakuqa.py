@@ -112,7 +112,7 @@ def _parse_answer(raw: list[str], choices: list[str],
     tokens = [normalize_answer_token(a) for a in raw]
     if len(tokens) == 1 and ALTERNATIVE_SEPARATOR in tokens[0]:
         options = [t.strip() for t in tokens[0].split(ALTERNATIVE_SEPARATOR)]
-        sets = [(t,) for t in options]
+        sets: list[tuple[str, ...]] = [(t,) for t in options]
     else:
         sets = [tuple(sorted(set(tokens)))]
     for answer_set in sets:

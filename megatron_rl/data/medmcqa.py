@@ -47,7 +47,7 @@ def _parser(cop_base: int) -> Callable[[dict[str, Any], Location], MedMCQAQuesti
         raw_id = optional(obj, "id", (str, int), loc, None)
         return MedMCQAQuestion(
             id=str(raw_id) if raw_id is not None else f"line{loc.line}",
-            question=question, options=options, answer=LETTERS[index],  # type: ignore[arg-type]
+            question=question, options=options, answer=LETTERS[index],
             explanation=_optional_text(obj, "exp", loc),
             subject=_optional_text(obj, "subject_name", loc),
             topic=_optional_text(obj, "topic_name", loc),

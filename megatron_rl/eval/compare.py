@@ -52,7 +52,7 @@ def _row(label: str, pairs: list[tuple[QuestionResult, QuestionResult]]) -> dict
 def _rows(pairs: list[tuple[QuestionResult, QuestionResult]],
           key: Callable[[QuestionResult], Any], label: Callable[[Any], str],
           order: Callable[[tuple[Any, list[Any]]], Any]) -> list[dict[str, Any]]:
-    groups = group_by(pairs, lambda pair: key(pair[0]))  # type: ignore[arg-type]
+    groups = group_by(pairs, lambda pair: key(pair[0]))
     return [_row(label(k), v) for k, v in sorted(groups.items(), key=order)]
 
 

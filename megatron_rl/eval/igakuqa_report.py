@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from megatron_rl.data.igakuqa import IgakuQAQuestion
 from megatron_rl.data.schema import DataError
@@ -79,10 +79,10 @@ def evaluate(gold: Mapping[str, IgakuQAQuestion], predictions: PredictionSet,
     """Score every gold question of the blocks the predictions cover (see module docstring) by
     `rule` (`scoring.RULES`)."""
     check_rule(rule)
-    for prediction in predictions.predictions.values():
-        if prediction.problem_id not in gold:
-            raise DataError(f"problem_id {prediction.problem_id!r} is not in the gold data",
-                            prediction.path, prediction.line)
+    for given in predictions.predictions.values():
+        if given.problem_id not in gold:
+            raise DataError(f"problem_id {given.problem_id!r} is not in the gold data",
+                            given.path, given.line)
     blocks = {gold[pid].exam_block for pid in predictions.predictions}
     results = []
     for question in gold.values():
@@ -132,9 +132,11 @@ class GroupStats:
                 "format_failure_rate": self.format_failure_rate, "missing": self.missing}
 
 
-def group_by(results: Iterable[QuestionResult],
-             key: Callable[[QuestionResult], Any]) -> dict[Any, list[QuestionResult]]:
-    groups: dict[Any, list[QuestionResult]] = {}
+_Item = TypeVar("_Item")
+
+
+def group_by(results: Iterable[_Item], key: Callable[[_Item], Any]) -> dict[Any, list[_Item]]:
+    groups: dict[Any, list[_Item]] = {}
     for result in results:
         groups.setdefault(key(result), []).append(result)
     return groups

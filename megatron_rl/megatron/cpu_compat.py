@@ -146,7 +146,7 @@ def _stub_triton_kernels() -> None:
     """The paged-stash ops import triton at module level; they are GPU kernels never used on CPU."""
     if PAGED_STASH_OPS in sys.modules:
         return
-    stub = types.ModuleType(PAGED_STASH_OPS)
+    stub: Any = types.ModuleType(PAGED_STASH_OPS)   # Any: the kernels' names are set below
     stub.GLOBAL_BLOCK_SIZE = 0
 
     def _unavailable(*args: Any, **kwargs: Any) -> None:
@@ -158,7 +158,7 @@ def _stub_triton_kernels() -> None:
 
 
 def _patch_torch_cuda() -> None:
-    cuda = torch.cuda
+    cuda: Any = torch.cuda   # Any: the stubs type the real CUDA API that this replaces on purpose
     cuda.current_device = lambda: "cpu"
     cuda.Stream = _NoStream
     cuda.Event = _NoStream
@@ -176,7 +176,7 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
-    rnd = importlib.import_module("megatron.core.tensor_parallel.random")
+    rnd: Any = importlib.import_module("megatron.core.tensor_parallel.random")
     rnd._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     rnd._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     # With one generator for "CPU" and "CUDA", the tracker's "CPU RNG changed" warning is always true.
@@ -190,7 +190,8 @@ def _patch_megatron() -> None:
         return tensor
 
     for module in ("megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"):
-        setattr(importlib.import_module(module), "maybe_move_tensor_to_cpu", move_to_cpu)
+        patched: Any = importlib.import_module(module)
+        patched.maybe_move_tensor_to_cpu = move_to_cpu
     _patch_optimizer_state_loading()
     # WrappedTorchNorm asserts against sequence parallelism and zero-centred gamma.
     norm = importlib.import_module("megatron.core.transformer.torch_norm")
@@ -214,8 +215,8 @@ def _patch_gated_delta_net() -> None:
     """GatedDeltaNet refuses to construct without FLA, although with `deterministic_mode` its
     forward uses only torch (the chunked delta rule and F.conv1d) plus FLA's l2norm, given here in
     torch. The FLA kernels it would otherwise call raise a clear error instead of calling None."""
-    common = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
-    gdn = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+    common: Any = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
+    gdn: Any = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
     common.HAVE_FLA = True
     common.l2norm = l2norm
     gdn.chunk_gated_delta_rule = _fla_kernel_unavailable
@@ -249,7 +250,8 @@ class LocalRMSNorm(torch.nn.Module):
         self.zero_centered = zero_centered
         init = torch.zeros if zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=dtype))
-        setattr(self.weight, "sequence_parallel", sequence_parallel)
+        weight: Any = self.weight   # Any: the tag is megatron-core's, not in torch's Parameter type
+        weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -122,9 +122,9 @@ def _attach_sft(ranks: list[list[_Group]], sft: list[tuple[int, int]], budget: i
     loads = [sum(g.cost for g in gs) for gs in ranks]
     fitted = True
     for item in sft:
-        def key(rg: tuple[int, _Group]) -> tuple[bool, int, int]:
+        def key(rg: tuple[int, _Group], length: int = item[1]) -> tuple[bool, int, int]:
             r, g = rg
-            grown = g.cost_with(item[1])
+            grown = g.cost_with(length)
             return grown > budget, (loads[r] + grown - g.cost) if grown <= budget else grown, grown - g.cost
         r, g = min(((r, g) for r, gs in enumerate(ranks) for g in gs), key=key)
         fitted &= g.cost_with(item[1]) <= budget or (not g.rows and not g.sft)
@@ -173,13 +173,17 @@ def take(batch: TrainBatch, plan: MicroBatchPlan) -> TrainBatch:
     idx = torch.tensor(plan.rows, dtype=torch.long)
     width = plan.length
 
-    def cut(t: torch.Tensor | None, w: int) -> torch.Tensor | None:
-        return None if t is None else _fit(t.index_select(0, idx), w)
+    def rows(t: torch.Tensor, w: int) -> torch.Tensor:
+        return _fit(t.index_select(0, idx), w)
 
-    mb = TrainBatch(cut(batch.tokens, width), cut(batch.mask, width - 1), batch.advantages.index_select(0, idx),
+    def cut(t: torch.Tensor | None, w: int) -> torch.Tensor | None:
+        return None if t is None else rows(t, w)
+
+    mb = TrainBatch(rows(batch.tokens, width), rows(batch.mask, width - 1), batch.advantages.index_select(0, idx),
                     cut(batch.old_logprobs, width - 1), cut(batch.ref_logprobs, width - 1),
                     cut(batch.rollout_logprobs, width - 1))
     if batch.sft_tokens is not None:
+        assert batch.sft_mask is not None, "expert rows come with their mask"
         sidx = torch.tensor(plan.sft_rows, dtype=torch.long)
         mb.sft_tokens = _fit(batch.sft_tokens.index_select(0, sidx), width)
         mb.sft_mask = _fit(batch.sft_mask.index_select(0, sidx), width - 1)

@@ -19,7 +19,7 @@ from megatron_rl.objectives.aggregation import (
     denominators_from_masks,
 )
 from megatron_rl.objectives.chord import mu_schedule, phi_weights
-from megatron_rl.objectives.common import KL_ESTIMATORS, CORRECTIONS, clipped_surrogate, kl_estimate
+from megatron_rl.objectives.common import CORRECTIONS, KL_ESTIMATORS, clipped_surrogate, kl_estimate
 from megatron_rl.objectives.metrics import (
     all_reduce_metrics,
     combine_metrics,

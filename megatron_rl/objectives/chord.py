@@ -15,10 +15,10 @@ import math
 
 from torch import Tensor
 
+from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.objectives.aggregation import GlobalDenominators, aggregation_weights
 from megatron_rl.objectives.common import Metrics, masked_stats, masked_sum, unit_counts
 from megatron_rl.objectives.registry import get_objective, register_objective
-from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.objectives.types import LossInputs, LossOutput
 
 

@@ -7,6 +7,7 @@ statistics count tokens.
 
 from __future__ import annotations
 
+from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.objectives.aggregation import GlobalDenominators
 from megatron_rl.objectives.common import (
     LOG_RATIO_CLAMP,
@@ -18,7 +19,6 @@ from megatron_rl.objectives.common import (
     token_advantages,
 )
 from megatron_rl.objectives.registry import register_objective
-from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.objectives.types import LossInputs, LossOutput
 
 

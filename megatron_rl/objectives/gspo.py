@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.objectives.aggregation import GlobalDenominators
 from megatron_rl.objectives.common import (
     LOG_RATIO_CLAMP,
@@ -32,7 +33,6 @@ from megatron_rl.objectives.common import (
     token_advantages,
 )
 from megatron_rl.objectives.registry import register_objective
-from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.objectives.types import LossInputs, LossOutput
 
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from megatron_rl.objectives.aggregation import GlobalDenominators
     from megatron_rl.config.schema import AlgorithmConfig
+    from megatron_rl.objectives.aggregation import GlobalDenominators
     from megatron_rl.objectives.types import LossInputs, LossOutput
 
 T = TypeVar("T")

@@ -26,15 +26,23 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..config.schema import ParallelismConfig, RecipeConfig
 from ..lint import RULES
-from .memory import (Hardware, Layout, RolloutMemory, StageMemory, reserved_by_colocated_vllm,
-                     rollout_memory, worst_stage)
+from .memory import (
+    Hardware,
+    Layout,
+    RolloutMemory,
+    StageMemory,
+    reserved_by_colocated_vllm,
+    rollout_memory,
+    worst_stage,
+)
 from .params import ModelParams, count_params
 
 TP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
+RECOMPUTE_CHOICES: tuple[Literal["none", "full"], ...] = ("none", "full")
 MAX_PP = 16
 SAFE_MARGIN_PCT = 10.0
 LAYOUT_RULES: tuple[str, ...] = ("parallel-sizes", "batch-sizes")
@@ -114,7 +122,7 @@ def candidates(cfg: RecipeConfig, params: ModelParams) -> Iterator[ParallelismCo
     tps = [t for t in TP_CHOICES if t <= p.gpus_per_node]
     pps = [n for n in range(1, MAX_PP + 1) if d.layers % n == 0]
     eps = [e for e in range(1, d.experts + 1) if d.experts % e == 0 and e <= world] or [1]
-    for tp, pp, ep, recompute, offload in itertools.product(tps, pps, eps, ("none", "full"),
+    for tp, pp, ep, recompute, offload in itertools.product(tps, pps, eps, RECOMPUTE_CHOICES,
                                                              (False, True)):
         for etp in (sorted({1, tp}) if d.experts else [None]):
             yield dataclasses.replace(

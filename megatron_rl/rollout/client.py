@@ -101,9 +101,9 @@ class RolloutClient:
                              seeds: Sequence[int] | None = None) -> list[list[Sample]]:
         sem = asyncio.Semaphore(self.max_concurrency)
         limits = httpx.Limits(max_connections=self.max_concurrency)
-        seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+        row_seeds: list[int | None] = list(seeds) if seeds is not None else [None] * len(prompts)
         async with httpx.AsyncClient(limits=limits) as client:
-            tasks = [self._generate_one(client, sem, list(p), s, seed) for p, seed in zip(prompts, seeds)]
+            tasks = [self._generate_one(client, sem, list(p), s, seed) for p, seed in zip(prompts, row_seeds)]
             return list(await asyncio.gather(*tasks))
 
     def generate(self, prompts: Sequence[list[int]], s: SamplingSettings,

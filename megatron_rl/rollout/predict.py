@@ -22,7 +22,9 @@ def predict(model_dir: str, prompts_path: str, out_path: Path, run_dir: Path, ma
     """Write one prediction per prompt; returns how many were written."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Any, like the tokenizer parameters elsewhere: transformers types apply_chat_template's result as
+    # the union over its flags, not the BatchEncoding that return_dict=True gives.
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
     records = read_prompts(prompts_path)[:limit]
     ids = [list(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
                                               return_dict=True)["input_ids"]) for r in records]

@@ -31,7 +31,8 @@ def _guard_every_route() -> None:
             return JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
         return self.app(scope, receive, send)
 
-    authenticate.AuthenticationMiddleware.__call__ = call
+    # Replacing vLLM's method on purpose (every route guarded, not only /v1).
+    authenticate.AuthenticationMiddleware.__call__ = call  # type: ignore[method-assign]
 
 
 def _watch_parent() -> None:

@@ -70,6 +70,8 @@ def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float) -> 
     """β · Σ_t KL_t(π_old ‖ π_ref) per sample, for KL applied to the reward instead of the loss."""
     from ..objectives import kl_estimate
 
+    assert batch.old_logprobs is not None and batch.ref_logprobs is not None, \
+        "KL in the reward needs the old and the reference log-probs"
     kl = kl_estimate(batch.old_logprobs.double(), batch.ref_logprobs.double(), estimator, clamp, 20.0)
     return beta * (kl * batch.mask).sum(dim=1)
 

@@ -58,6 +58,8 @@ def step_metrics(scored: ScoredRollout, batch: TrainBatch, updates: list[dict[st
     for name, values in scored.reward_parts.items():
         m[f"reward/{name}/mean"] = float(values.mean())
         m[f"reward/{name}/std"] = float(values.std())
+    assert batch.old_logprobs is not None and batch.rollout_logprobs is not None, \
+        "a trained batch carries the old and the rollout log-probs"
     m["mismatch/abs_mean"] = _masked_mean_abs(batch.old_logprobs, batch.rollout_logprobs, batch.mask)
     last = updates[-1]
     for key, value in last.items():

@@ -140,7 +140,7 @@ def register_adapter(*architectures: str) -> Callable[[AdapterFn], AdapterFn]:
 
 def adapter_for(hf_config: dict[str, Any]) -> WeightAdapter:
     """The adapter for `hf_config['architectures'][0]`, absent keys read as transformers would."""
-    from ..models import MODELS, load_model     # the registry: imports the architecture's folder
+    from ..models import MODELS, load_model  # the registry: imports the architecture's folder
 
     archs = hf_config.get("architectures") or []
     if archs:

@@ -123,7 +123,8 @@ class PlannedHFWriter(HFCheckpointWriter):
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         begin = 0
         for t in tensors:
-            header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [begin, begin + t.nbytes]}
+            header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [begin, begin + t.nbytes]}
             begin += t.nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-(8 + len(blob)) % 8)     # spaces pad the header; data starts 8-aligned
@@ -151,7 +152,8 @@ class PlannedHFWriter(HFCheckpointWriter):
                                   f"got {list(tensor.shape)} {tensor.dtype}")
         if tensor.numel():
             data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            _pwrite_all(self._fds[slot.shard], memoryview(data), slot.offset)
+            # ndarray.data is memoryview(data); numpy's stubs give ndarray the buffer protocol only on 3.12+
+            _pwrite_all(self._fds[slot.shard], data.data, slot.offset)
         slot.written = True
         self.bytes_written += slot.info.nbytes
         self._left[slot.shard] -= 1

@@ -73,22 +73,23 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
     if rank0:
         assert transport is not None, "rank 0 needs a transport"
         transport.begin(version)
+    sender = transport if rank0 else None   # only rank 0 talks to the server
     total = sends = 0
     names: list[str] = []
     try:
         for layer in gather_hf_layers(model, adapter):
-            if not rank0:
+            if sender is None:
                 continue
             tensors = {name: tensor.to(dtype) for name, tensor in layer}
-            transport.send_bucket(tensors)
+            sender.send_bucket(tensors)
             names += tensors
             total += sum(t.nbytes for t in tensors.values())
             sends += 1
-        if not rank0:
+        if sender is None:
             return None
-        server = transport.finish(names)
+        server = sender.finish(names)
     except BaseException:
-        if rank0:
-            transport.abort()
+        if sender is not None:
+            sender.abort()
         raise
     return SyncReport(version, len(names), total, sends, time.perf_counter() - start, server)

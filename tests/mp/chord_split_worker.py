@@ -19,12 +19,13 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
+from layouts_worker import make_batch  # noqa: E402
+
 from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
-from layouts_worker import make_batch  # noqa: E402
 
 LAYOUTS = {"dp2": ParallelismConfig(), "pp2": ParallelismConfig(pipeline_model_parallel_size=2)}
 CHORD = AlgorithmConfig(name="chord", chord=ChordConfig(mu_peak=0.5, mu_valley=0.5))

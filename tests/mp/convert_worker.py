@@ -111,7 +111,8 @@ def run_failures(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind, bad in spec["broken"].items():
         dst = work / f"broken_{kind}"
-        out[kind] = expect_failure(lambda: convert("hf-to-mcore", Path(bad), dst, ConvertLayout(tp=2)), dst)
+        out[kind] = expect_failure(
+            lambda bad=bad, dst=dst: convert("hf-to-mcore", Path(bad), dst, ConvertLayout(tp=2)), dst)
     mc = Path(spec["cases"][spec["export_case"]]["work"]) / f"mc_{spec['cases'][spec['export_case']]['layouts'][0]}"
     dst = work / "interrupted_export"
     out["interrupted_export"] = expect_failure(lambda: interrupted_export(mc, dst, after=5), dst)

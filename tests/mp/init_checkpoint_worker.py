@@ -19,12 +19,13 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
+from layouts_worker import LAYOUTS, make_batch  # noqa: E402
+
 from megatron_rl.config.schema import ModelConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import init_checkpoint, read_hf_config  # noqa: E402
 from megatron_rl.train.session import _load_init  # noqa: E402
-from layouts_worker import LAYOUTS, make_batch  # noqa: E402
 
 
 def logprobs(hf: dict, layout, path: str | None, trainable: bool) -> torch.Tensor:  # noqa: ANN001

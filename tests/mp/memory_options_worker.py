@@ -19,15 +19,16 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
+from layouts_worker import make_batch  # noqa: E402
+from megatron.core.pipeline_parallel.schedules import custom_backward  # noqa: E402
+
 from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
-from megatron.core.pipeline_parallel.schedules import custom_backward  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_to_rank0  # noqa: E402
-from layouts_worker import make_batch  # noqa: E402
 
 FP32, BF16 = torch.float32, torch.bfloat16
 # name → (options, params dtype, the run it must reproduce). Host offload keeps the fp32 master copy

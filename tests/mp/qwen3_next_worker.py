@@ -23,6 +23,9 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
+
 from megatron_rl.config.schema import TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
@@ -31,9 +34,6 @@ from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.hf_io import HFCheckpointReader  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_to_rank0, local_params, unshard  # noqa: E402
-
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from layouts_worker import OBJECTIVES, make_batch  # noqa: E402

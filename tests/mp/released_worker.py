@@ -23,6 +23,9 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
+
 from megatron_rl.megatron.actor import Actor, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
@@ -30,9 +33,6 @@ from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights import convert_worker as cw  # noqa: E402
 from megatron_rl.weights.convert import ConvertJob, ConvertLayout  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
-
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 LAYOUTS = {
     "tp1": dict(),

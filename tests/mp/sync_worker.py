@@ -19,8 +19,11 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
-from megatron_rl.config.schema import RolloutConfig  # noqa: E402
-from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.config.schema import (  # noqa: E402
+    AlgorithmConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ...megatron import cpu_compat
 from ...megatron.providers import (
     ModelRecipe,
     ParallelLayout,
@@ -18,6 +19,8 @@ from ...megatron.providers import (
     use_transformer_engine,
 )
 from ...model_config import moe_layers, num_experts
+
+cpu_compat.require_applied()   # megatron-core below is imported only after the CPU patches
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402

@@ -21,11 +21,20 @@ from typing import Any
 import torch
 
 from ...megatron import cpu_compat
-from ...megatron.providers import ModelRecipe, ParallelLayout, _common_config, _moe_config, _recipe, provider, \
-    use_transformer_engine
+from ...megatron.providers import (
+    ModelRecipe,
+    ParallelLayout,
+    _common_config,
+    _moe_config,
+    _recipe,
+    provider,
+    use_transformer_engine,
+)
 from ...megatron.sections import GDN_SHARDED_KEYS, TP_SECTIONS_ATTR
 from ...model_config import num_experts, rope_parameters
 from .layers import ARCH, LINEAR, layer_types
+
+cpu_compat.require_applied()   # megatron-core below is imported only after the CPU patches
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # noqa: E402

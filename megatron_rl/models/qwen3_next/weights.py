@@ -31,8 +31,16 @@ from typing import Any
 import torch
 
 from ...model_config import head_dim
-from ...weights.adapters import Entry, Merge, Split, Tensor, WeightAdapter, interleave_groups, register_adapter, \
-    split_groups
+from ...weights.adapters import (
+    Entry,
+    Merge,
+    Split,
+    Tensor,
+    WeightAdapter,
+    interleave_groups,
+    register_adapter,
+    split_groups,
+)
 from ..qwen3.weights import attention_entries, global_entries, mlp_entries, moe_layer, swiglu_entries
 from .layers import ARCH, LINEAR, layer_types
 
