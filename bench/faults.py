@@ -85,7 +85,8 @@ def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Pat
     post = RolloutServer.post
     paths = {"/pause": "pause", "/reset_prefix_cache": "reset", "/resume": "resume"}
 
-    def post_and_kill(self: RolloutServer, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> Any:
+    def post_and_kill(self: RolloutServer, path: str, body: Any = None, params: Any = None,
+                      timeout: float = 600.0) -> Any:
         method = body.get("method") if path == "/collective_rpc" and body else None
         inject({"mrl_reseed": "reseed", "mrl_update": "update"}.get(method, paths.get(path, "")))
         return post(self, path, body, params, timeout)

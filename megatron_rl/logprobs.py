@@ -9,9 +9,9 @@ each target and the entropy of the tempered distribution.
 Memory: a full ``[tokens, vocab]`` float32 softmax is never materialized. Rows
 are processed ``chunk_size`` at a time (default: as many as fit one
 ``DEFAULT_CHUNK_BYTES`` temporary) with two float32 ``[chunk, vocab/TP]``
-temporaries in forward and one in backward (for float32 logits); backward recomputes the softmax per chunk from the saved logits and
-the saved per-token log-sum-exp, so the only full-size buffer is the gradient
-itself. Under TP each chunk needs two all-reduces (MAX of the row maxima, SUM of
+temporaries in forward and one in backward (for float32 logits); backward
+recomputes the softmax per chunk from the saved logits and the saved per-token
+log-sum-exp, so the only full-size buffer is the gradient itself. Under TP each chunk needs two all-reduces (MAX of the row maxima, SUM of
 [Σexp, Σexp·logit, target logit] — the target logit is contributed by the owning
 rank only); backward needs none, because the saved log-sum-exp and entropy are
 already global and every rank owns its slice of the gradient.
@@ -191,7 +191,7 @@ def _te_target_logprobs(
         nll = parallel_cross_entropy(tempered.unsqueeze(0), target.unsqueeze(0), 0.0, False, group)
     except AssertionError as err:  # raised identically on every rank, so all fall back together
         _te_disabled = True
-        warnings.warn(f"Transformer-Engine cross-entropy unusable here ({err}); using the torch path")
+        warnings.warn(f"Transformer-Engine cross-entropy unusable here ({err}); using the torch path", stacklevel=2)
         return None
     return -nll.reshape(-1).float()
 

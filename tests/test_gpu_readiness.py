@@ -149,7 +149,8 @@ def test_te_logprob_glue_divides_by_temperature_in_fp32(monkeypatch: pytest.Monk
 def test_train_batch_to_moves_every_tensor() -> None:
     from megatron_rl.types import TrainBatch
 
-    b = TrainBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 4), torch.zeros(2), old_logprobs=torch.zeros(2, 4),
+    b = TrainBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 4), torch.zeros(2),
+                   old_logprobs=torch.zeros(2, 4),
                    sft_tokens=torch.zeros(1, 5, dtype=torch.long), sft_mask=torch.ones(1, 4))
     moved = b.to(torch.device("meta"))
     for name, value in moved.__dict__.items():

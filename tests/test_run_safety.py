@@ -16,11 +16,16 @@ import pytest
 from megatron_rl.megatron import cpu_compat
 
 cpu_compat.apply()   # as `megatron-rl train` does: checkpoint.py imports megatron-core
-from megatron_rl.megatron.checkpoint import COMPLETE, latest_checkpoint, prune_checkpoints, remove_partial_checkpoints
-from megatron_rl.rollout import shm
-from megatron_rl.train.metrics_log import MetricsLog
-from megatron_rl.train.setup import never_started
-from tests.rollout_fixtures import REPO, TINY_MOE, demo_assets
+from megatron_rl.megatron.checkpoint import (  # noqa: E402
+    COMPLETE,
+    latest_checkpoint,
+    prune_checkpoints,
+    remove_partial_checkpoints,
+)
+from megatron_rl.rollout import shm  # noqa: E402
+from megatron_rl.train.metrics_log import MetricsLog  # noqa: E402
+from megatron_rl.train.setup import never_started  # noqa: E402
+from tests.rollout_fixtures import REPO, TINY_MOE, demo_assets  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
@@ -196,5 +201,6 @@ except OSError as exc:
               f"{sys.executable} {tmp_path / 'write.py'}; ls {full}")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
     out = proc.stdout
-    assert f"ERROR [Errno 28] cannot write {full}/recipe.resolved.yaml (" in out and " bytes): " in out, out + proc.stderr
+    assert f"ERROR [Errno 28] cannot write {full}/recipe.resolved.yaml (" in out, out + proc.stderr
+    assert " bytes): " in out, out + proc.stderr
     assert out.strip().splitlines()[-1] == "filler"                   # no recipe.resolved.yaml.tmp left

@@ -99,7 +99,6 @@ def test_short_runs_train_sync_and_log(recipe: str, extra: list[str], tmp_path: 
     if recipe == "chord.yaml":
         from megatron_rl.config import load_recipe
         from megatron_rl.objectives import mu_schedule
-
         from megatron_rl.objectives.chord import optimizer_step
 
         a = load_recipe(REPO / "recipes" / "tiny" / recipe).algorithm

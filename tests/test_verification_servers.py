@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.train import verification
-from tests.mp.launch import torchrun
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.server import RolloutServer
+from megatron_rl.train import verification
+from tests.mp.launch import torchrun
 from tests.rollout_fixtures import TINY_DENSE, TINY_MOE, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,8 @@ def run(fields: dict, tmp_path: Path, trainer_dtype: str, nproc: int, layout: st
     handle.start()
     try:
         out = tmp_path / "verify.json"
-        torchrun("verify_worker.py", str(model), handle.base_url, str(handle.rollout_dir / "token"), trainer_dtype, layout,
+        torchrun("verify_worker.py", str(model), handle.base_url, str(handle.rollout_dir / "token"), trainer_dtype,
+                 layout,
                  CORRUPT, str(out), nproc=nproc)
     finally:
         handle.stop()

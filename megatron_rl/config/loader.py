@@ -59,7 +59,7 @@ def _read_yaml(path: Path, pos: Positions) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError([Problem(where, "", f"invalid YAML: {getattr(exc, 'problem', exc)}")])
+        raise ConfigError([Problem(where, "", f"invalid YAML: {getattr(exc, 'problem', exc)}")]) from None
     if node is None:
         return {}
     data = _node_to_python(node, str(path), (), pos)
@@ -258,7 +258,7 @@ def _check_range(f: dataclasses.Field, value: Any) -> str | None:
         return None
     checks = (("ge", ">=", lambda a, b: a >= b), ("gt", ">", lambda a, b: a > b),
               ("le", "<=", lambda a, b: a <= b), ("lt", "<", lambda a, b: a < b))
-    for name, sym, ok in checks:
+    for name, _sym, ok in checks:
         bound = f.metadata.get(name)
         if bound is not None and not ok(value, bound):
             allowed = " and ".join(f"{s} {f.metadata[n]}" for n, s, _ in checks if n in f.metadata)

@@ -28,9 +28,12 @@ from ..objectives import (
     get_objective,
 )
 from ..types import TrainBatch
+from . import cpu_compat
 from .devices import compute_device, init_distributed
 from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
 from .providers import ModelRecipe, ParallelLayout, build_gpt_model
+
+cpu_compat.require_applied()   # megatron-core below needs the CPU patches on a machine without CUDA
 
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402

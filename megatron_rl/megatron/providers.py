@@ -28,7 +28,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
-
 # The recipe's own parallelism section is the layout a model is built for (no second copy of its
 # fields or defaults); the name stays for the call sites that only build models.
 ParallelLayout = ParallelismConfig
@@ -67,7 +66,7 @@ class ModelRecipe:
 
 
 def architecture_of(hf: dict[str, Any]) -> str:
-    from ..models import MODELS, load_model     # the registry: imports the architecture's folder
+    from ..models import MODELS, load_model  # the registry: imports the architecture's folder
 
     archs = hf.get("architectures") or []
     if not archs:

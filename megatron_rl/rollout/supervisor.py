@@ -78,8 +78,9 @@ class ServerSupervisor:
             if self.server.alive() and self.server.healthy():
                 return False
             if self.server.external:
-                raise ServerError(f"the external rollout server at {self.server.base_url} went down during {phase} "
-                                  f"({error.__class__.__name__}); the trainer does not restart servers it did not start")
+                raise ServerError(f"the external rollout server at {self.server.base_url} went down during "
+                                  f"{phase} ({error.__class__.__name__}); the trainer does not restart servers "
+                                  "it did not start")
             print(f"[rollout] server down during {phase} ({error.__class__.__name__}); restarting it and "
                   "re-sending the latest weights", flush=True)
             last: BaseException = error

@@ -19,8 +19,14 @@ import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, Training, init_parallel
-from ..megatron.checkpoint import (latest_checkpoint, load_checkpoint, load_weights, prune_checkpoints,
-                                  remove_partial_checkpoints, save_checkpoint)
+from ..megatron.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_weights,
+    prune_checkpoints,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
 from ..megatron.devices import wait_for_rank0
 from ..megatron.providers import build_model_recipe
 from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
@@ -37,7 +43,6 @@ from ..weights.transport_file import FileTransport
 from . import verification
 from .data_order import DataOrder
 from .setup import load_prompts, load_sft_tokens, require_eos
-
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 

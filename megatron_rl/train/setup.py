@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
-from ..data.schema import DataError, PromptRecord, SFTRecord, read_prompts, read_sft
+from ..data.schema import DataError, PromptRecord, read_prompts, read_sft
 from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, init_distributed
 
 

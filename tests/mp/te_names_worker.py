@@ -66,8 +66,8 @@ def spec_maps(hf: dict) -> list[dict[str, str]]:
     recipe = build_model_recipe(hf, LAYOUTS["tp1"], torch.float32)
     spec = recipe.layer_spec
     if hf["architectures"][0] == "Qwen3NextForCausalLM":
+        from megatron_rl.models.qwen3_next.layers import layer_types
         from megatron_rl.models.qwen3_next.provider import _local_layer_specs
-        from megatron_rl.weights.qwen3_next import layer_types
 
         return [s.submodules.sharded_state_dict_keys_map for s in _local_layer_specs(recipe.config, layer_types(hf))]
     return [spec.submodules.sharded_state_dict_keys_map]
