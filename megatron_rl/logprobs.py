@@ -11,9 +11,9 @@ are processed ``chunk_size`` at a time (default: as many as fit one
 ``DEFAULT_CHUNK_BYTES`` temporary) with two float32 ``[chunk, vocab/TP]``
 temporaries in forward and one in backward (for float32 logits); backward
 recomputes the softmax per chunk from the saved logits and the saved per-token
-log-sum-exp, so the only full-size buffer is the gradient itself. Under TP each chunk needs two all-reduces (MAX of the row maxima, SUM of
-[Σexp, Σexp·logit, target logit] — the target logit is contributed by the owning
-rank only); backward needs none, because the saved log-sum-exp and entropy are
+log-sum-exp, so the only full-size buffer is the gradient itself. Under TP each
+chunk needs two all-reduces (MAX of the row maxima, SUM of [Σexp, Σexp·logit,
+target logit] — the target logit is contributed by the owning rank only); backward needs none, because the saved log-sum-exp and entropy are
 already global and every rank owns its slice of the gradient.
 
 Gradients (z = logits / T, p = softmax(z)):
