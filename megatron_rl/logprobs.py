@@ -6,15 +6,14 @@ TP) and the sampling temperature T of the behaviour policy (logits / T, matching
 the rollout engine). Output: float32 (float64 for float64 logits) log-prob of
 each target and the entropy of the tempered distribution.
 
-Memory: a full ``[tokens, vocab]`` float32 softmax is never materialized. Rows
-are processed ``chunk_size`` at a time (default: as many as fit one
-``DEFAULT_CHUNK_BYTES`` temporary) with two float32 ``[chunk, vocab/TP]``
-temporaries in forward and one in backward (for float32 logits); backward
-recomputes the softmax per chunk from the saved logits and the saved per-token
-log-sum-exp, so the only full-size buffer is the gradient itself. Under TP each
-chunk needs two all-reduces (MAX of the row maxima, SUM of [Σexp, Σexp·logit,
-target logit] — the target logit is contributed by the owning rank only); backward needs none, because the saved log-sum-exp and entropy are
-already global and every rank owns its slice of the gradient.
+Memory: a full ``[tokens, vocab]`` float32 softmax is never materialized. Rows are processed
+``chunk_size`` at a time (default: as many as fit one ``DEFAULT_CHUNK_BYTES`` temporary) with two
+float32 ``[chunk, vocab/TP]`` temporaries in forward and one in backward (for float32 logits);
+backward recomputes the softmax per chunk from the saved logits and the saved per-token log-sum-exp,
+so the only full-size buffer is the gradient itself. Under TP each chunk needs two all-reduces (MAX
+of the row maxima, SUM of [Σexp, Σexp·logit, target logit] — the target logit is contributed by the
+owning rank only); backward needs none, because the saved log-sum-exp and entropy are already global
+and every rank owns its slice of the gradient.
 
 Gradients (z = logits / T, p = softmax(z)):
   ∂ log p_y / ∂z = onehot(y) − p
