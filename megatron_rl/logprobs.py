@@ -123,7 +123,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """autograd wrapper around the chunked forward/backward above."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, temperature: float,
         group: dist.ProcessGroup | None, chunk_size: int, with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:

@@ -57,7 +57,7 @@ class TrainBatch:
 
     def to(self, device: torch.device) -> TrainBatch:
         """The same rows with every tensor on `device` (no copy for tensors already there)."""
-        fields = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
+        fields: dict[str, Any] = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
         return TrainBatch(**fields)
 
     def rows(self, start: int, stop: int) -> TrainBatch:

@@ -173,7 +173,7 @@ def _type_name(tp: Any) -> str:
         return "null"
     if origin is not None:
         return str(tp).replace("typing.", "")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return f"a mapping ({tp.__name__})"
     return getattr(tp, "__name__", str(tp))
 
@@ -185,7 +185,7 @@ class _Invalid(Exception):
 def _convert(tp: Any, value: Any, path: tuple[str, ...], pos: Positions, problems: list[Problem]) -> Any:
     """Check `value` against the annotation `tp`; raise _Invalid when it does not fit."""
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise _Invalid
         return _build(tp, value, path, pos, problems)

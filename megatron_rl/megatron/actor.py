@@ -89,11 +89,13 @@ def optimizer_config(t: TrainerConfig, p: ParallelismConfig, model: Any) -> Opti
     )
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP (and any other `.module` wrappers)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+def unwrap(model: torch.nn.Module) -> Any:
+    """The GPTModel inside DDP (and any other `.module` wrappers). Typed `Any`: callers read
+    megatron's dynamic attributes (`decoder`, `config`, `output_layer`, ...)."""
+    inner: Any = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner
 
 
 def _finalize_without_token_scaling(model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
@@ -175,6 +177,7 @@ class Actor:
         multiple = (ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1) * \
             (2 * cp if cp > 1 else 1)
         sft = None if batch.sft_mask is None else needed_lengths(batch.sft_mask)
+        assert self.max_tokens_per_microbatch is not None, "budget plans need trainer.max_tokens_per_microbatch"
         plans = plan_microbatches(needed_lengths(batch.mask), ps.get_data_parallel_world_size(),
                                   self.max_tokens_per_microbatch, multiple, sft)
         return plans[ps.get_data_parallel_rank()]
@@ -184,6 +187,7 @@ class Actor:
         """This DP rank's expert rows, spread over its micro-batches as evenly as they go (some may
         carry none): the SFT term's denominators are global, so where a row is computed does not
         change the loss. Pipelines exchange shapes per micro-batch (`variable_seq_lengths`)."""
+        assert batch.sft_tokens is not None and batch.sft_mask is not None, "called for batches with SFT rows"
         sft_rows = batch.sft_tokens.shape[0]
         if sft_rows % dp:
             raise ValueError(f"{sft_rows} SFT rows do not split over DP {dp} (algorithm.chord.sft_batch_size "
@@ -305,17 +309,17 @@ class Actor:
             denominators_from_masks([batch.sft_mask], batch.sft_mask.shape[1])
         mbs = self._local_microbatches(batch)
         loss_fn = get_objective(objective)
-        need_entropy = cfg.entropy_coef > 0
 
         def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
             # Entropy comes from the same chunked pass as the log-probs (no extra pass; detached
             # unless the loss has an entropy term), and is logged either way.
             logp, entropy = self._logprobs(logits, tokens, temperature, with_entropy=True)
             rows, width = mb.tokens.shape[0], mb.tokens.shape[1] - 1
+            assert mb.old_logprobs is not None, "train_step needs the batch's old log-probs"
             inputs = LossInputs(
                 logprobs=logp[:rows, :width], old_logprobs=mb.old_logprobs, advantages=mb.advantages,
                 mask=mb.mask, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
-                entropy=entropy[:rows, :width] if need_entropy or entropy is not None else None,
+                entropy=None if entropy is None else entropy[:rows, :width],
             )
             if mb.sft_tokens is not None:
                 inputs.sft_logprobs = logp[rows:, : mb.sft_tokens.shape[1] - 1]

@@ -24,6 +24,9 @@ class WorkerExtension:
     """Mixed into vLLM's worker; `self.model_runner` is the worker's model runner."""
 
     _mrl_version: int = 0
+    # Provided by the vLLM worker this class is mixed into (declared for the type checker only).
+    model_runner: Any
+    reload_weights: Any
 
     def mrl_update(self, version: str, manifest: str) -> dict[str, Any]:
         """Load every tensor the manifest lists; returns what was loaded."""

@@ -118,6 +118,7 @@ def open_metrics_log(cfg: RecipeConfig, run_dir: Path, start: int) -> MetricsLog
 def _rollout(session: Session, indices: list[int], step: int) -> list:
     box: list = [None]
     if session.rank0:
+        assert session.client is not None, "rank 0 starts or attaches the servers before the first step"
         session.reseed_servers(step)
         p = session.prompts
         box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..rollout.client import RolloutClient, SamplingSettings
+from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..types import RolloutGroup
 
 
-def generate_groups(client: RolloutClient, prompts: Sequence[list[int]], records: Sequence[dict[str, Any]],
-                    indices: Sequence[int], sampling: SamplingSettings, version: int) -> list[RolloutGroup]:
+def generate_groups(client: RolloutClient | MultiClient, prompts: Sequence[list[int]],
+                    records: Sequence[dict[str, Any]], indices: Sequence[int], sampling: SamplingSettings,
+                    version: int) -> list[RolloutGroup]:
     results = client.generate(prompts, sampling)
     groups = []
     for index, record, samples in zip(indices, records, results):

@@ -79,8 +79,8 @@ class Session:
                            t.max_tokens_per_microbatch)
         _load_init(self.actor, self.init.path)
         self.reference = self._reference(recipe) if a.kl_beta > 0 else None
-        self.sft = load_sft_tokens(cfg.data.sft_path, self.tokenizer, cfg.data.on_malformed) \
-            if cfg.algorithm.name == "chord" else None
+        self.sft = load_sft_tokens(_require(cfg.data.sft_path, "data.sft_path"), self.tokenizer,
+                                   cfg.data.on_malformed) if cfg.algorithm.name == "chord" else None
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)
         self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
         self.version = 0
@@ -96,7 +96,8 @@ class Session:
 
     def _reference(self, recipe: Any) -> Actor:
         ref = Actor(recipe, self.cfg.trainer.micro_batch_size, None, self.cfg.trainer.max_tokens_per_microbatch)
-        path = self.cfg.model.reference_path if self.cfg.model.reference == "path" else self.init.path
+        path = _require(self.cfg.model.reference_path, "model.reference_path") if self.cfg.model.reference == "path" \
+            else self.init.path
         _load_init(ref, path)
         return ref
 

@@ -104,18 +104,18 @@ def local_spec_name(name: str) -> str:
 
 def local_params(model: torch.nn.Module) -> list[LocalParam]:
     """This rank's parameters with their global names and sharding."""
-    model = unwrap(model)
-    config = model.config
+    gpt = unwrap(model)
+    config = gpt.config
     out = []
-    for name, param in model.named_parameters():
-        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+    for name, param in gpt.named_parameters():
+        if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
             continue   # a copy of the embedding on the last stage, not a weight of its own
         layer = None
         global_name = local_spec_name(name)
         m = _LAYER.match(global_name)
         if m:
             local = int(m.group(1))
-            layer = model.decoder.layers[local].layer_number - 1
+            layer = gpt.decoder.layers[local].layer_number - 1
             global_name = f"decoder.layers.{layer}." + global_name[m.end():]
         e = _EXPERT.search(global_name)
         if e:
@@ -135,10 +135,10 @@ def tied_output_copies(model: torch.nn.Module) -> list[LocalParam]:
     stage), but loading must fill it: megatron only copies the embedding into it at construction,
     so a model loaded afterwards would keep its random LM head on the last stage.
     """
-    model = unwrap(model)
-    if not (model.share_embeddings_and_output_weights and model.post_process and not model.pre_process):
+    gpt = unwrap(model)
+    if not (gpt.share_embeddings_and_output_weights and gpt.post_process and not gpt.pre_process):
         return []
-    param = model.output_layer.weight
+    param = gpt.output_layer.weight
     return [LocalParam("output_layer.weight", "embedding.word_embeddings.weight", param, None, False,
                        getattr(param, "partition_dim", 0), None)]
 

@@ -10,6 +10,7 @@ fresh tensors cost more in page faults than the copies themselves.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,8 +35,8 @@ class Transport(Protocol):
 class FanoutTransport:
     """The same update to several servers (disaggregated rollout nodes), one after the other."""
 
-    def __init__(self, transports: list[Transport]) -> None:
-        self.transports = transports
+    def __init__(self, transports: Sequence[Transport]) -> None:
+        self.transports = list(transports)
 
     def begin(self, version: int) -> None:
         for t in self.transports:
