@@ -23,6 +23,7 @@ from tests.test_qwen3_next import TINY_QWEN3_NEXT
 
 @pytest.mark.parametrize("fields,layouts", [(TINY_MOE, "tp2_sp,ep2"), (TINY_QWEN3_NEXT, "tp2_sp")],
                          ids=["qwen3_moe", "qwen3_next"])
+@pytest.mark.slow
 def test_weight_map_accepts_transformer_engine_names(fields: dict, layouts: str, tmp_path: Path) -> None:
     model = build_tiny_hf_checkpoint(fields, tmp_path / "model", seed=2)
     out = tmp_path / "te.json"
@@ -45,6 +46,7 @@ def test_weight_map_accepts_transformer_engine_names(fields: dict, layouts: str,
             assert table[te] == local, (te, local, table)
 
 
+@pytest.mark.slow
 def test_only_rank0_writes_metrics_and_wandb_gets_the_resolved_recipe(tmp_path: Path) -> None:
     out = tmp_path / "metrics.json"
     torchrun("metrics_worker.py", str(REPO / "recipes/tiny/grpo.yaml"), str(tmp_path / "run"), str(out))

@@ -14,6 +14,8 @@ from megatron_rl.model_config import ModelConfigError, init_checkpoint
 from tests.mp.launch import REPO, torchrun
 from tests.rollout_fixtures import demo_assets
 
+pytestmark = pytest.mark.slow   # conversion and torchrun workers
+
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:

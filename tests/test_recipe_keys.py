@@ -101,6 +101,7 @@ def _memory_options(tiny_moe: Path, out: Path, nproc: int) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_memory_options_change_what_megatron_core_builds(tiny_moe: Path, tmp_path: Path) -> None:
     r = _memory_options(tiny_moe, tmp_path / "memory.json", nproc=2)
     built = {name: e["built"] for name, e in r.items()}
@@ -143,6 +144,7 @@ def test_cpu_offload_trains_like_the_gpu_optimizer(tiny_moe: Path, tmp_path: Pat
     assert r["cpu_offload_bf16"]["max_weight_diff"] <= 1e-2
 
 
+@pytest.mark.slow
 def test_chord_expert_rows_split_over_dp_only(tiny_moe: Path, tmp_path: Path) -> None:
     """2 expert rows: one per DP rank spread over 4 micro-batches, or 2 over PP 2's 8 micro-batches
     of different sizes; the CHORD losses of two steps agree (global denominators)."""

@@ -22,6 +22,8 @@ from megatron_rl.weights.tiny import build_release_shaped_checkpoint
 from tests.mp.launch import REPO, torchrun
 from tests.test_convert import DENSE_TIED
 
+pytestmark = pytest.mark.slow   # torchrun workers (4 processes) and conversions
+
 RELEASED = REPO / "recipes" / "models"
 # Small widths that keep each release's proportions: head_dim ≠ hidden / heads as released, heads
 # per KV head as released (so KV heads < TP = 2 for the 80B and 235B shapes), v/k GDN head ratio 2.

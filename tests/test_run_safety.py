@@ -74,6 +74,7 @@ def test_a_partial_save_holding_its_marker_is_never_the_latest_and_goes_on_resum
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_a_full_disk_during_a_save_is_one_error_with_path_and_size_and_loses_nothing(tmp_path: Path) -> None:
     from megatron_rl.weights.tiny import build_tiny_hf_checkpoint

@@ -340,6 +340,7 @@ def test_sbatch_reads_quoted_options_literally(slurm: dict[str, str], tmp_path: 
         subprocess.run(["scancel", job], env=slurm)
 
 
+@pytest.mark.slow
 def test_a_gpu_job_whose_container_sees_no_gpu_refuses_to_start(slurm: dict[str, str], tmp_path: Path) -> None:
     """The recipe expects a GPU; Slurm grants one (the CI node's stand-in) and the host's nvidia-smi
     lists it, but CUDA inside the job's Python sees none (as in a container started without --nv):

@@ -24,6 +24,8 @@ from megatron_rl.slurm import job_files, render_script
 from megatron_rl.slurm.render import job_recipe, total_nodes
 from tests.rollout_fixtures import REPO
 
+pytestmark = pytest.mark.slow   # renders and runs each production job script against stand-ins
+
 PRODUCTION = sorted(p for p in (REPO / "recipes").glob("qwen3_*/*.yaml") if p.name != "base.yaml")
 
 # srun: logs its options and the node list, then runs the command once per node with that node's
