@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import RecipeConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,16 +23,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..config import ConfigError, dump_yaml, load_recipe
-    from ..lint import lint
+def load_or_report(path: str, overrides: list[str]) -> RecipeConfig | None:
+    """The recipe, or None after printing every problem the loader found (file:line, key, why)."""
+    from ..config import ConfigError, load_recipe
 
     try:
-        cfg = load_recipe(args.path, args.overrides)
+        return load_recipe(path, overrides)
     except ConfigError as exc:
-        print(f"error: invalid recipe {args.path}", file=sys.stderr)
+        print(f"error: invalid recipe {path}", file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import dump_yaml
+    from ..lint import lint
+
+    cfg = load_or_report(args.path, args.overrides)
+    if cfg is None:
         return 1
     if args.verb == "show":
         sys.stdout.write(dump_yaml(cfg))

@@ -8,6 +8,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .recipe import load_or_report
+
+if TYPE_CHECKING:
+    from ..config import RecipeConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,17 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_checked(path: str, overrides: list[str]):  # noqa: ANN201  (RecipeConfig | None)
+def load_checked(path: str, overrides: list[str]) -> RecipeConfig | None:
     """Load + lint; print problems and return None when the recipe cannot run."""
-    from ..config import ConfigError, load_recipe
     from ..lint import lint
 
-    try:
-        cfg = load_recipe(path, overrides)
-    except ConfigError as exc:
-        print(f"error: invalid recipe {path}", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+    cfg = load_or_report(path, overrides)
+    if cfg is None:
         return None
     findings = lint(cfg)
     for f in findings:
@@ -49,15 +50,10 @@ def load_checked(path: str, overrides: list[str]):  # noqa: ANN201  (RecipeConfi
 
 
 def dry_run(args: argparse.Namespace) -> int:
-    from ..config import ConfigError, load_recipe
     from ..preflight import preflight
 
-    try:
-        cfg = load_recipe(args.recipe, args.overrides)
-    except ConfigError as exc:
-        print(f"error: invalid recipe {args.recipe}", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+    cfg = load_or_report(args.recipe, args.overrides)
+    if cfg is None:
         return 1
     findings = preflight(cfg, check_paths=not args.no_check_paths, gpu_memory_gb=args.gpu_memory_gb)
     errors = [f for f in findings if f.level == "error"]
