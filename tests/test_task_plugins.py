@@ -133,8 +133,10 @@ def test_tiny_model_trains_with_a_task_and_reward_from_a_test_file(tmp_path: Pat
         assert r["sync/verify_max_abs_diff"] <= 1e-4            # probe: the task's "[ans]b[/ans]"
         assert r["update_skipped"] == 0
     assert any(r["grad_norm"] > 0 for r in rows)
-    # Every training prompt was rendered by the task's prompt format.
-    n_prompts = sum(1 for line in (REPO / ".cache/demo/train.jsonl").read_text().splitlines() if line.strip())
+    # Every training and eval prompt (the tiny recipes evaluate on eval.jsonl) was rendered by the
+    # task's prompt format.
+    n_prompts = sum(1 for name in ("train.jsonl", "eval.jsonl")
+                    for line in (REPO / ".cache/demo" / name).read_text().splitlines() if line.strip())
     assert len(log.read_text().splitlines()) == n_prompts
     (task_line,) = re.findall(r"^  task +(.*)$", proc.stdout, re.M)
     name, rewards = task_line.split(": ", 1)

@@ -73,13 +73,13 @@ def run(hf_dir: str, layout: ParallelLayout, objective: str, budget: int | None)
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     grads: list[torch.Tensor] = []
-    step = actor.optimizer.step
+    prepare = actor.optimizer.prepare_grads
 
-    def recording_step() -> tuple:        # the reduced gradient, before clipping touches it
+    def recording_prepare() -> bool:      # the reduced gradient, before the guarded step clips it
         grads.append(grad_shards(actor))
-        return step()
+        return prepare()
 
-    actor.optimizer.step = recording_step
+    actor.optimizer.prepare_grads = recording_prepare
     batch = make_batch(hf["vocab_size"])
     old = actor.compute_logprobs(batch, temperature=1.0)
     # An odd row count: filler rows complete the DP split and are dropped again.
