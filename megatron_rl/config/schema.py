@@ -226,6 +226,18 @@ class AlgorithmConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = spec(0, ge=0, not_implemented="LoRA/QLoRA has no trainer code path yet (issue #20)")
+    """LoRA rank; 0 trains the full model. With a rank, the base weights are frozen and only the
+    adapters train, sync and checkpoint."""
+    alpha: float = spec(16.0, gt=0.0, not_implemented="LoRA/QLoRA has no trainer code path yet (issue #20)")
+    """LoRA scaling numerator: the adapter's output is scaled by alpha / rank."""
+    base_quantization: Literal["none", "nf4", "fp8"] = spec(
+        "none", not_implemented="LoRA/QLoRA has no trainer code path yet (issue #20)")
+    """Storage of the frozen base weights (QLoRA with nf4); only with a rank."""
+
+
+@dataclass
 class DataConfig:
     train_path: str | None = spec(None, path=True)
     """RL prompts (JSONL of the project's prompt schema)."""
@@ -407,6 +419,8 @@ class RecipeConfig:
     """Reward functions and weights."""
     trainer: TrainerConfig = spec(factory=TrainerConfig)
     """Optimization and the loop."""
+    lora: LoraConfig = spec(factory=LoraConfig)
+    """LoRA / QLoRA adapters (off unless `rank` > 0)."""
     checkpoint: CheckpointConfig = spec(factory=CheckpointConfig)
     """Checkpointing."""
     logging: LoggingConfig = spec(factory=LoggingConfig)
