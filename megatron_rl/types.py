@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,8 +29,6 @@ class RolloutGroup:
     prompt_index: int
     record: dict[str, Any]
     samples: list[Sample]
-    rewards: list[float] = field(default_factory=list)
-    reward_parts: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass

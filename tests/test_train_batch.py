@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from megatron_rl.tasks import resolve_task
-from megatron_rl.train.batch import build_batch, kl_penalty, score_groups, set_advantages
+from megatron_rl.train.batch import Scores, build_batch, kl_penalty, score_groups, with_advantages
 from megatron_rl.train.data_order import DataOrder
 from megatron_rl.types import RolloutGroup, Sample
 
@@ -30,11 +31,12 @@ def test_batch_aligns_masks_and_rollout_logprobs_to_target_positions() -> None:
     # Prompt 0 answers "a" (right) then "b"; prompt 1 answers "c" twice (right): rewards 1, 0, 1, 1.
     gs[1].samples[1].response_ids = [99, 11]
     texts[(99, 11)] = "[ans]c[/ans]"
-    task_metrics = score_groups(gs, resolve_task("mcq", {"mcq_answer": 1.0}), decode=lambda ids: texts[tuple(ids)])
-    scored = build_batch(gs, seq_len=8, pad_id=0)
+    scores = score_groups(gs, resolve_task("mcq", {"mcq_answer": 1.0}), decode=lambda ids: texts[tuple(ids)])
+    scored = build_batch(gs, scores, seq_len=8, pad_id=0)
     assert scored.rewards.tolist() == [1.0, 0.0, 1.0, 1.0]
     assert scored.reward_parts["mcq_answer"].tolist() == [1.0, 0.0, 1.0, 1.0]
-    assert task_metrics == {"format_rate": 1.0, "accuracy": 0.75}
+    assert scores.task_metrics == {"format_rate": 1.0, "accuracy": 0.75}
+    assert scores.texts == ["[ans]a[/ans]", "[ans]b[/ans]", "[ans]c[/ans]", "[ans]c[/ans]"]
     b = scored.batch
     s = gs[0].samples[1]                           # prompt [5, 6], response [11, 11, 12]
     assert b.tokens[1].tolist() == [5, 6, 11, 11, 12, 0, 0, 0]
@@ -45,22 +47,22 @@ def test_batch_aligns_masks_and_rollout_logprobs_to_target_positions() -> None:
 
 def test_kl_in_reward_penalises_before_the_group_normalisation() -> None:
     gs = groups()
-    for g in gs:
-        g.rewards, g.reward_parts = [1.0, 1.0], [{"x": 1.0}, {"x": 1.0}]
-    scored = build_batch(gs, seq_len=8, pad_id=0)
-    b = scored.batch
-    b.old_logprobs = torch.full_like(b.mask, -1.0)
-    b.ref_logprobs = torch.full_like(b.mask, -1.5)
+    scores = Scores(["", "", "", ""], [1.0] * 4, [{"x": 1.0}] * 4, {})
+    scored = build_batch(gs, scores, seq_len=8, pad_id=0)
+    b = replace(scored.batch, old_logprobs=torch.full_like(scored.batch.mask, -1.0),
+                ref_logprobs=torch.full_like(scored.batch.mask, -1.5))
     penalty = kl_penalty(b, beta=0.1, estimator="k3", clamp=10.0)
     delta = -0.5                                   # log π_ref − log π
     k3 = math.exp(delta) - delta - 1
     expected = [0.1 * k3 * float(m.sum()) for m in b.mask]
     assert penalty.tolist() == pytest.approx(expected, rel=1e-12)
-    set_advantages(scored, "grpo", mask_zero_variance=False, penalty=penalty)
+    penalised, _ = with_advantages(scored, b, "grpo", mask_zero_variance=False, penalty=penalty)
     # Equal rewards, but the longer response paid more KL: it gets the negative advantage.
-    assert b.advantages[0] > 0 > b.advantages[1]
-    set_advantages(scored, "grpo", mask_zero_variance=True)
-    assert scored.zero_variance_frac == 1.0 and float(b.mask.sum()) == 0.0
+    assert penalised.advantages[0] > 0 > penalised.advantages[1]
+    masked, zero_variance_frac = with_advantages(scored, b, "grpo", mask_zero_variance=True)
+    assert zero_variance_frac == 1.0 and float(masked.mask.sum()) == 0.0
+    # A phase returns a new batch: its input is left as it was.
+    assert float(b.mask.sum()) > 0 and float(b.advantages.abs().sum()) == 0.0
 
 
 def test_data_order_is_seeded_and_resumable() -> None:

@@ -34,6 +34,7 @@ def _group(record: dict, text: str) -> RolloutGroup:
 
 def test_igakuqa_eval_prompts_are_scored_with_the_benchmark_rule() -> None:
     from megatron_rl.tasks import resolve_task
+    from megatron_rl.train.batch import Scores
     from megatron_rl.train.eval_phase import eval_metrics
 
     def q(pid: str, answer: list[str], points: int, kinki: list[str] = (), alternatives: list = ()) -> dict:
@@ -46,9 +47,11 @@ def test_igakuqa_eval_prompts_are_scored_with_the_benchmark_rule() -> None:
               _group(q("112B30", ["a"], 1, alternatives=[["d"]]), "[ans]d[/ans]"),  # the accepted alternative
               _group({"id": "x", "source": "synthetic_mcq", "choices": ["1", "2"], "answer": ["a"],
                       "metadata": {}}, "[ans]a[/ans]")]                              # not IgakuQA: not counted
-    for g in groups:
-        g.rewards, g.reward_parts = [1.0], [{"mcq_answer": 1.0}]
-    m = eval_metrics(groups, resolve_task("igakuqa", {"mcq_answer": 1.0}))
+    task = resolve_task("igakuqa", {"mcq_answer": 1.0})
+    texts = [s.text for g in groups for s in g.samples]
+    scores = Scores(texts, [1.0] * 5, [{"mcq_answer": 1.0}] * 5,
+                    task.batch_metrics(texts, [g.record for g in groups]))
+    m = eval_metrics(groups, scores, task)
     assert m["eval/igakuqa/questions"] == 4
     assert m["eval/igakuqa/accuracy"] == pytest.approx(3 / 4)
     assert m["eval/igakuqa/score"] == pytest.approx(5 / 6)

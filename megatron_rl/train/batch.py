@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,41 +12,54 @@ from ..tasks import LoadedTask
 from ..types import RolloutGroup, TrainBatch
 
 
-@dataclass
+@dataclass(frozen=True)
+class Scores:
+    """What the task's reward functions made of one step's samples, in sample order."""
+
+    texts: list[str]
+    """Each response decoded without special tokens (what the reward functions read)."""
+    rewards: list[float]
+    """The weighted sum per sample."""
+    parts: list[dict[str, float]]
+    """Each reward function's own value per sample, by name."""
+    task_metrics: dict[str, float]
+    """The task's batch metrics (format rate, accuracy)."""
+
+
+@dataclass(frozen=True)
 class ScoredRollout:
     batch: TrainBatch
+    """Tokens, response masks and rollout log-probs; no advantages or policy log-probs yet."""
     rewards: torch.Tensor
     reward_parts: dict[str, torch.Tensor]
     response_lengths: torch.Tensor
-    zero_variance_frac: float
     group_size: int
 
 
 def score_groups(groups: Sequence[RolloutGroup], task: LoadedTask,
-                 decode: Callable[[list[int]], str]) -> dict[str, float]:
-    """Fill each group's rewards (weighted sum) and per-function parts; returns the task's batch
-    metrics (format rate, accuracy)."""
+                 decode: Callable[[list[int]], str]) -> Scores:
+    """Every sample's rewards (weighted sum and per function) and the task's batch metrics."""
+    texts, totals, parts = [], [], []
     for g in groups:
-        g.rewards, g.reward_parts = [], []
         for s in g.samples:
             text = decode(s.response_ids)
-            s.text = text
-            total, parts = task.reward(text, g.record)
-            g.rewards.append(total)
-            g.reward_parts.append(parts)
-    return task.batch_metrics([s.text for g in groups for s in g.samples],
-                              [g.record for g in groups for _ in g.samples])
+            total, by_name = task.reward(text, g.record)
+            texts.append(text)
+            totals.append(total)
+            parts.append(by_name)
+    records = [g.record for g in groups for _ in g.samples]
+    return Scores(texts, totals, parts, task.batch_metrics(texts, records))
 
 
-def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int) -> ScoredRollout:
+def build_batch(groups: Sequence[RolloutGroup], scores: Scores, seq_len: int, pad_id: int) -> ScoredRollout:
     """Pad every prompt+response to `seq_len`; masks cover the response tokens' target positions.
 
     The rows stay `seq_len` wide on the host: the width is the constant of the
     `seq-mean-token-sum-norm` denominator, so it must not follow the batch's longest row. The
     trainer computes only what the masks need (`trainer.max_tokens_per_microbatch`).
 
-    Advantages are filled in by `set_advantages` once the rewards are final (a KL-in-reward
-    penalty needs the reference log-probs of this very batch first)."""
+    Advantages come from `with_advantages` once the rewards are final (a KL-in-reward penalty
+    needs the reference log-probs of this very batch first)."""
     samples = [s for g in groups for s in g.samples]
     n = len(samples)
     tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
@@ -58,12 +71,12 @@ def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int) -> Sc
         start, stop = len(s.prompt_ids) - 1, len(seq) - 1
         mask[i, start:stop] = 1.0
         rollout_lp[i, start:stop] = torch.tensor(s.response_logprobs[:stop - start])
-    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
-    names = sorted(groups[0].reward_parts[0]) if groups and groups[0].reward_parts else []
-    parts = {k: torch.tensor([p[k] for g in groups for p in g.reward_parts]) for k in names}
+    rewards = torch.tensor(scores.rewards, dtype=torch.float64)
+    names = sorted(scores.parts[0]) if scores.parts else []
+    parts = {k: torch.tensor([p[k] for p in scores.parts]) for k in names}
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
     batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(n), rollout_logprobs=rollout_lp)
-    return ScoredRollout(batch, rewards, parts, lengths, 0.0, len(groups[0].samples))
+    return ScoredRollout(batch, rewards, parts, lengths, len(groups[0].samples))
 
 
 def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float) -> torch.Tensor:
@@ -76,13 +89,14 @@ def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float) -> 
     return beta * (kl * batch.mask).sum(dim=1)
 
 
-def set_advantages(scored: ScoredRollout, estimator: str, mask_zero_variance: bool,
-                   penalty: torch.Tensor | None = None) -> None:
-    """Group-relative advantages from the (penalised) rewards; optionally drop flat groups."""
+def with_advantages(scored: ScoredRollout, batch: TrainBatch, estimator: str, mask_zero_variance: bool,
+                    penalty: torch.Tensor | None = None) -> tuple[TrainBatch, float]:
+    """`batch` with group-relative advantages from the (penalised) rewards and, when
+    `mask_zero_variance`, flat groups masked out; and the fraction of flat groups."""
     rewards = scored.rewards if penalty is None else scored.rewards - penalty
     adv = compute_advantages(rewards, group_size=scored.group_size, estimator=estimator,
                              drop_zero_variance=mask_zero_variance)
-    scored.batch.advantages = adv.advantages.float()
+    mask = batch.mask
     if mask_zero_variance and adv.sample_mask is not None:
-        scored.batch.mask = scored.batch.mask * adv.sample_mask.to(scored.batch.mask.dtype).unsqueeze(1)
-    scored.zero_variance_frac = adv.frac_zero_variance
+        mask = mask * adv.sample_mask.to(mask.dtype).unsqueeze(1)
+    return replace(batch, advantages=adv.advantages.float(), mask=mask), adv.frac_zero_variance

@@ -18,7 +18,7 @@ from ..config.schema import RecipeConfig
 from ..rollout.client import SamplingSettings
 from ..tasks import LoadedTask
 from ..types import RolloutGroup
-from .batch import score_groups
+from .batch import Scores, score_groups
 from .rollout_phase import generate_groups
 from .setup import Prompts, load_prompts
 
@@ -40,34 +40,32 @@ def eval_sampling(cfg: RecipeConfig) -> SamplingSettings:
                             r.logprobs_mode)
 
 
-def eval_metrics(groups: list[RolloutGroup], task: LoadedTask) -> dict[str, float]:
+def eval_metrics(groups: list[RolloutGroup], scores: Scores, task: LoadedTask) -> dict[str, float]:
     """Means over the eval prompts: total reward, each reward function (unweighted), response
     length, and the task's own batch metrics (format rate, accuracy) and eval metrics."""
-    rewards = [r for g in groups for r in g.rewards]
-    parts = [p for g in groups for p in g.reward_parts]
     lengths = [len(s.response_ids) for g in groups for s in g.samples]
     mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
-    m = {"eval/reward_mean": mean(rewards), "eval/response_length_mean": mean(lengths),
+    m = {"eval/reward_mean": mean(scores.rewards), "eval/response_length_mean": mean(lengths),
          "eval/prompts": float(len(groups))}
-    for name in parts[0] if parts else {}:
-        m[f"eval/reward/{name}_mean"] = mean([p[name] for p in parts])
-    responses = [s.text for g in groups for s in g.samples]
+    for name in scores.parts[0] if scores.parts else {}:
+        m[f"eval/reward/{name}_mean"] = mean([p[name] for p in scores.parts])
     samples = [g.record for g in groups for _ in g.samples]
-    m.update({f"eval/{k}": v for k, v in task.batch_metrics(responses, samples).items()})
+    m.update({f"eval/{k}": v for k, v in scores.task_metrics.items()})
     if task.task.eval_metrics is not None:
-        m.update({f"eval/{k}": v for k, v in task.task.eval_metrics(responses, samples).items()})
+        m.update({f"eval/{k}": v for k, v in task.task.eval_metrics(scores.texts, samples).items()})
     return m
 
 
-def evaluate(session: Any, eval_set: Prompts, task: LoadedTask) -> dict[str, float]:
-    """Generate and score on rank 0 (collective: every rank returns the metrics)."""
+def evaluate(session: Any, eval_set: Prompts, task: LoadedTask, version: int) -> dict[str, float]:
+    """Generate and score on rank 0 with the weights of `version` (collective: every rank returns
+    the metrics)."""
     box: list[Any] = [None]
     if session.rank0:
         cfg = session.cfg
         indices = list(range(len(eval_set.records)))
         groups = generate_groups(session.client, eval_set.token_ids, eval_set.dicts, indices, eval_sampling(cfg),
-                                 session.version)
-        score_groups(groups, task, lambda ids: session.tokenizer.decode(ids, skip_special_tokens=True))
-        box[0] = eval_metrics(groups, task)
+                                 version)
+        scores = score_groups(groups, task, lambda ids: session.tokenizer.decode(ids, skip_special_tokens=True))
+        box[0] = eval_metrics(groups, scores, task)
     dist.broadcast_object_list(box, src=0)
     return box[0]

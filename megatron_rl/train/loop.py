@@ -1,101 +1,82 @@
 """`megatron-rl train`: the RL loop. One step: prompts → rollout → rewards/advantages → old/ref
 log-probs → `steps_per_generation` updates → weight sync (+ verification) → metrics → checkpoint.
+
+Each phase is a function from what it needs to what it produces (groups → scores → batch →
+updates → sync report → metrics); `Session` only holds the objects they use.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ..config.loader import to_dict
 from ..config.schema import RecipeConfig
 from ..console import Progress
-from ..objectives.chord import optimizer_step
-from ..tasks import resolve_task
-from .batch import build_batch, kl_penalty, score_groups, set_advantages
+from ..tasks import LoadedTask, resolve_task
+from ..types import TrainBatch
+from .batch import ScoredRollout, build_batch, kl_penalty, score_groups, with_advantages
+from .checkpointing import resume as resume_checkpoint
+from .checkpointing import save
 from .eval_phase import evaluate, load_eval_set
 from .metrics_log import MetricsLog, console_line
 from .report import startup_summary
-from .rollout_phase import generate_groups
-from .session import Session, Stop, timed
-from .setup import export_hf, init_process_group, make_run_dir
-from .step_parts import minibatches, probe_batch, sft_batch, step_metrics
+from .rollout_phase import rollout
+from .run_control import Stop, StopSignals, agree_on_stop
+from .session import Session
+from .setup import Prompts, export_hf, init_process_group, make_run_dir
+from .step_parts import probe_batch, step_metrics, timed
+from .sync_phase import push_weights, sync_metrics, verify
+from .update_phase import update, with_policy_logprobs
 
 
 def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     task = resolve_task(cfg.task, cfg.rewards.weights)      # a bad plugin fails before any model
     init_process_group(cfg.trainer.collective_timeout_min)
     run_dir = make_run_dir(cfg, resume)
-    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
     session = Session(cfg, run_dir, task)
-    total, prompts_per_step = session.total_steps, session.prompts_per_step
-    start = session.resume() if resume else 0
+    total = session.total_steps
+    resumed = resume_checkpoint(session) if resume else None
+    start, version = (resumed.step, resumed.version) if resumed else (0, 0)
     log = open_metrics_log(cfg, run_dir, start)
-    session.install_signal_handlers()
-    seq_len = r.max_prompt_length + r.max_response_length
-    pad = session.tokenizer.pad_token_id or 0
-    probe = probe_batch(session, seq_len, pad, task.task.probe_response)
-    objective = cfg.algorithm                    # what the objectives read, as the recipe wrote it
+    signals = StopSignals().install()
+    r = cfg.rollout
+    probe = probe_batch(session, r.max_prompt_length + r.max_response_length, _pad(session),
+                        task.task.probe_response)
     eval_set = load_eval_set(cfg, session.tokenizer, task)
     try:
         session.start_server()
-        session.sync()
-        first = session.verify(probe)
+        # A resumed run re-sends its checkpointed weights under their own version.
+        version = version if resumed else version + 1
+        push_weights(session, version)
+        first = verify(session, probe, version)
         if session.rank0:
             print(startup_summary(cfg, session, task, start, first), flush=True)
         progress = Progress(start + 1, total)
         bad_in_row = 0
         for step in range(start + 1, total + 1):
             timings: dict[str, float] = {}
-            indices = session.order.next_indices(prompts_per_step)
-            with timed(timings, "rollout"):
-                groups = _rollout(session, indices, step)
-            with timed(timings, "reward"):
-                task_metrics = score_groups(groups, task, _decoder(session))
-                scored = build_batch(groups, seq_len, pad)
-            batch = scored.batch
-            with timed(timings, "logprobs"):
-                temperature = session.sampling().logprobs_temperature
-                batch.old_logprobs = session.actor.compute_logprobs(batch, temperature)
-                if session.reference is not None:
-                    batch.ref_logprobs = session.reference.compute_logprobs(batch, temperature)
-            penalty = kl_penalty(batch, a.kl_beta, a.kl_estimator, a.kl_clamp) if a.kl_in_reward else None
-            set_advantages(scored, a.advantage, a.mask_zero_variance_groups, penalty)
-            updates = []
-            with timed(timings, "train"):
-                for i, mb in enumerate(minibatches(batch, a.steps_per_generation)):
-                    if session.sft is not None:
-                        mb.sft_tokens, mb.sft_mask = sft_batch(session, seq_len, pad)
-                    # CHORD's μ counts optimizer steps (as ms-swift does), not rollout steps.
-                    updates.append(session.actor.train_step(mb, objective, a.name, temperature,
-                                                            rl_step=optimizer_step(step, a.steps_per_generation, i)))
-            bad = all(u["update_skipped"] for u in updates)
-            bad_in_row = bad_in_row + 1 if bad else 0
-            if bad_in_row >= t.max_bad_steps_in_row:
+            learned = learn(session, task, step, version, timings)
+            bad_in_row = bad_in_row + 1 if all(u["update_skipped"] for u in learned.updates) else 0
+            if bad_in_row >= cfg.trainer.max_bad_steps_in_row:
                 raise Stop(f"{bad_in_row} steps in a row had a non-finite loss or gradient; stopping")
-            with timed(timings, "sync"):
-                extra = session.sync()
-                if r.verify_every and session.version % r.verify_every == 0:
-                    extra.update(session.verify(probe))
-            if eval_set is not None and step % cfg.evaluation.interval == 0:
-                with timed(timings, "eval"):
-                    extra.update(evaluate(session, eval_set, task))
-            metrics = step_metrics(scored, batch, updates, timings, extra, session.version)
-            metrics.update(task_metrics)
-            if penalty is not None:
-                metrics["kl_in_reward/mean"] = float(penalty.mean())
+            version += 1
+            published = publish(session, task, step, version, probe, eval_set, timings)
+            metrics = learned.metrics(timings, published, version)
             metrics.update({"data/epoch": session.order.epoch, "data/position": session.order.position})
             if log is not None:
                 log.log(step, metrics)
             if session.rank0 and step % cfg.logging.log_interval == 0:
                 print(console_line(progress.line(step), metrics), flush=True)
-            session.agree_on_stop()
+            stop = agree_on_stop(signals.reason)
             interval = cfg.checkpoint.save_interval
-            if (interval and step % interval == 0) or session.stop_signal or step == total:
-                session.save(step)
-            if session.stop_signal:
-                print(f"[train] {session.stop_signal}: checkpointed step {step}; resume with --resume", flush=True)
+            if (interval and step % interval == 0) or stop or step == total:
+                save(session, step, version)
+            if stop:
+                print(f"[train] {stop}: checkpointed step {step}; resume with --resume", flush=True)
                 return run_dir
         if cfg.checkpoint.export_hf:
             export_hf(session.actor.model, session.adapter, session.hf_dir, run_dir / "hf_export")
@@ -104,6 +85,62 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
         if log is not None:
             log.close()
         session.close()
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What one step's rollout taught the actor."""
+
+    scored: ScoredRollout
+    batch: TrainBatch
+    """The trained batch: policy log-probs, advantages, the mask after flat groups."""
+    zero_variance_frac: float
+    kl_penalty: torch.Tensor | None
+    updates: list[dict[str, float]]
+    task_metrics: dict[str, float]
+
+    def metrics(self, timings: dict[str, float], extra: dict[str, float], version: int) -> dict[str, float]:
+        m = step_metrics(self.scored, self.batch, self.zero_variance_frac, self.updates, timings, extra, version)
+        m.update(self.task_metrics)
+        if self.kl_penalty is not None:
+            m["kl_in_reward/mean"] = float(self.kl_penalty.mean())
+        return m
+
+
+def learn(session: Session, task: LoadedTask, step: int, version: int, timings: dict[str, float]) -> Learned:
+    """Rollout with the servers' weights (`version`) → rewards → old/ref log-probs → advantages →
+    `steps_per_generation` updates (collective; every rank returns the same)."""
+    a, r = session.cfg.algorithm, session.cfg.rollout
+    seq_len, pad = r.max_prompt_length + r.max_response_length, _pad(session)
+    indices = session.order.next_indices(session.prompts_per_step)
+    with timed(timings, "rollout"):
+        groups = rollout(session, indices, step, version)
+    with timed(timings, "reward"):
+        scores = score_groups(groups, task, _decoder(session))
+        scored = build_batch(groups, scores, seq_len, pad)
+    temperature = session.sampling().logprobs_temperature
+    with timed(timings, "logprobs"):
+        batch = with_policy_logprobs(session, scored.batch, temperature)
+    penalty = kl_penalty(batch, a.kl_beta, a.kl_estimator, a.kl_clamp) if a.kl_in_reward else None
+    batch, zero_variance_frac = with_advantages(scored, batch, a.advantage, a.mask_zero_variance_groups, penalty)
+    with timed(timings, "train"):
+        updates = update(session, batch, a, step, temperature, seq_len, pad)
+    return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics)
+
+
+def publish(session: Session, task: LoadedTask, step: int, version: int, probe: TrainBatch,
+            eval_set: Prompts | None, timings: dict[str, float]) -> dict[str, float]:
+    """Sync the updated weights as `version`, verify them every `rollout.verify_every` versions,
+    evaluate every `evaluation.interval` steps; returns their metrics (collective)."""
+    cfg = session.cfg
+    with timed(timings, "sync"):
+        extra = sync_metrics(push_weights(session, version))
+        if cfg.rollout.verify_every and version % cfg.rollout.verify_every == 0:
+            extra.update(verify(session, probe, version))
+    if eval_set is not None and step % cfg.evaluation.interval == 0:
+        with timed(timings, "eval"):
+            extra.update(evaluate(session, eval_set, task, version))
+    return extra
 
 
 def open_metrics_log(cfg: RecipeConfig, run_dir: Path, start: int) -> MetricsLog | None:
@@ -115,16 +152,8 @@ def open_metrics_log(cfg: RecipeConfig, run_dir: Path, start: int) -> MetricsLog
     return MetricsLog(run_dir, start, lg.tensorboard, lg.wandb_project, run_dir.name, to_dict(cfg))
 
 
-def _rollout(session: Session, indices: list[int], step: int) -> list:
-    box: list = [None]
-    if session.rank0:
-        assert session.client is not None, "rank 0 starts or attaches the servers before the first step"
-        session.reseed_servers(step)
-        p = session.prompts
-        box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],
-                                 indices, session.sampling(), session.version)
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _pad(session: Session) -> int:
+    return session.tokenizer.pad_token_id or 0
 
 
 def _decoder(session: Session):  # noqa: ANN202

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..types import RolloutGroup
 
@@ -25,3 +27,17 @@ def generate_groups(client: RolloutClient | MultiClient, prompts: Sequence[list[
             s.weight_version = version
         groups.append(RolloutGroup(prompt_index=index, record=record, samples=samples))
     return groups
+
+
+def rollout(session: Any, indices: Sequence[int], step: int, version: int) -> list[RolloutGroup]:
+    """The step's groups, generated on rank 0 with this step's seed (collective: every rank
+    returns the same groups)."""
+    box: list[Any] = [None]
+    if session.rank0:
+        assert session.client is not None, "rank 0 starts or attaches the servers before the first step"
+        session.reseed_servers(step)
+        p = session.prompts
+        box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],
+                                 indices, session.sampling(), version)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,16 +1,14 @@
-"""A training session: the actor, reference, rollout server and weight sync of one run.
+"""A training session: the plumbing of one run — tokenizer, prompts and data order, the actor and
+the reference, the rollout servers with their clients, supervisors and weight transports.
 
-`loop.py` reads as the algorithm; this module holds the plumbing it calls.
+It holds objects and starts or stops them; what one RL step does with them lives in the phase
+modules that `loop.py` calls (`rollout_phase`, `batch`, `update_phase`, `sync_phase`, ...).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import random
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,36 +17,23 @@ import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, Training, init_parallel
-from ..megatron.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    load_weights,
-    prune_checkpoints,
-    remove_partial_checkpoints,
-    save_checkpoint,
-)
-from ..megatron.devices import wait_for_rank0
+from ..megatron.checkpoint import load_weights
 from ..megatron.providers import build_model_recipe
 from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
 from ..rollout.shm import remove_stale as remove_stale_shm
-from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
+from ..rollout.supervisor import ServerSupervisor
 from ..tasks import LoadedTask
-from ..types import TrainBatch
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
-from ..weights.sync import FanoutTransport, sync_weights
+from ..weights.sync import FanoutTransport
 from ..weights.transport_file import FileTransport
-from . import verification
 from .data_order import DataOrder
+from .run_control import Stop
 from .setup import load_prompts, load_sft_tokens, require_eos
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
-
-
-class Stop(Exception):
-    """The run must stop (reason in the message)."""
 
 
 class Session:
@@ -83,16 +68,12 @@ class Session:
                                    cfg.data.on_malformed) if cfg.algorithm.name == "chord" else None
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)
         self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
-        self.version = 0
         self.servers: list[RolloutServer] = []
         self.transports: list[FileTransport] = []
         self.clients: list[RolloutClient] = []
         self.supervisors: list[ServerSupervisor] = []
-        self.resync_restored = False
-        """The first sync after a resume re-sends the checkpointed weights under their own version."""
         self.transport: FileTransport | FanoutTransport | None = None
         self.client: RolloutClient | MultiClient | None = None
-        self.stop_signal: str | None = None
 
     def _reference(self, recipe: Any) -> Actor:
         ref = Actor(recipe, self.cfg.trainer.micro_batch_size, None, self.cfg.trainer.max_tokens_per_microbatch)
@@ -140,90 +121,8 @@ class Session:
         r = self.cfg.rollout
         return SamplingSettings(r.n, r.temperature, r.top_p, r.top_k, r.max_response_length, r.logprobs_mode)
 
-    def sync(self) -> dict[str, float]:
-        """Push the actor's weights to the server under a new version (collective)."""
-        # Rank 0 may have spent minutes starting the server or generating: wait for it on the CPU,
-        # not inside the NCCL collectives of the gather.
-        wait_for_rank0()
-        self.version += 0 if self.resync_restored else 1
-        self.resync_restored = False
-        report = sync_weights(self.actor.model, self.adapter, self.transport, self.version, self.dtype)
-        if report is None:
-            return {}
-        return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}
-
-    def verify(self, probe: TrainBatch) -> dict[str, float]:
-        """Server log-probs of fixed sequences vs the trainer's own (T = 1): statistics of |Δ| over
-        the probe's response tokens, gated by the bounds of the weights' dtype (`verification`)."""
-        trainer_lp = self.actor.compute_logprobs(probe, temperature=1.0)      # on the CPU
-        stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
-        limits = verification.limits_for(self.dtype, self.cfg.rollout.verify_tolerance)
-        if self.rank0:
-            seqs = verification.probe_sequences(probe)
-            # What a restarted server is checked against (max |Δ|: a server restarted with other
-            # weights is off by O(1); bf16 has no max bound of its own, so 10× its p90 bound).
-            expected = ProbeExpectation(self.version, seqs, [
-                [float(trainer_lp[i, j]) if probe.mask[i, j] > 0 else None for j in range(len(seq) - 1)]
-                for i, seq in enumerate(seqs)], limits.max if limits.max is not None else 10 * limits.p90)
-            clients = []
-            for client, supervisor in zip(self.clients, self.supervisors):     # every server must agree
-                supervisor.expected = expected
-                clients.append(_Supervised(client, supervisor))
-            stats = verification.diff_stats(verification.server_diffs(trainer_lp, probe, clients))
-        dist.broadcast(stats, src=0)                         # a CPU tensor: gloo, also on GPU runs
-        problem = verification.failure(stats, limits)
-        if problem:
-            raise Stop(f"weight-sync verification failed at version {self.version} ({self.dtype}): {problem} "
-                       "(server and trainer disagree)")
-        return verification.as_metrics(stats)
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int) -> Path:
-        root = self.run_dir / "checkpoints"
-        extra = {"step": step, "order": self.order.state(), "version": self.version,
-                 "sft_order": self.sft_order.state() if self.sft_order else None,
-                 "py_random": _encode_random_state()}
-        path = save_checkpoint(self.actor, root / f"step_{step:08d}", extra)
-        if self.rank0:
-            prune_checkpoints(root, self.cfg.checkpoint.keep_last)
-        dist.barrier()
-        return path
-
-    def resume(self) -> int:
-        """Load the latest complete checkpoint; returns the step it ended (0 = none)."""
-        if self.rank0:
-            for stale in remove_partial_checkpoints(self.run_dir / "checkpoints"):
-                print(f"[resume] removed {stale}: a save that did not finish", flush=True)
-        latest = latest_checkpoint(self.run_dir / "checkpoints")
-        if latest is None:
-            return 0
-        extra = load_checkpoint(self.actor, latest)
-        self.order.load(extra["order"])
-        if self.sft_order and extra.get("sft_order"):
-            self.sft_order.load(extra["sft_order"])
-        random.setstate(_decode_random_state(extra["py_random"]))
-        self.version = int(extra["version"])
-        self.resync_restored = True
-        if self.rank0:
-            print(f"[resume] from {latest} (step {extra['step']})", flush=True)
-        return int(extra["step"])
-
-    def install_signal_handlers(self) -> None:
-        def handler(signum: int, frame: Any) -> None:
-            self.stop_signal = signal.Signals(signum).name
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, handler)
-
-    def agree_on_stop(self) -> None:
-        """Signals reach ranks at different moments; all ranks must stop (and save) at the same
-        step, or the collective checkpoint hangs. MAX-reduce the flag once per step."""
-        flag = torch.tensor([1.0 if self.stop_signal else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and not self.stop_signal:
-            self.stop_signal = "stop requested on another rank"
-
     def reseed_servers(self, step: int) -> None:
+        """Each step's sampling seed, derived from the recipe's seed and the step."""
         seed = (self.cfg.trainer.seed * 1_000_003 + step) % (2**31 - 1)
         for server, supervisor in zip(self.servers, self.supervisors):
             supervisor.call("the per-step reseed", server.rpc, "mrl_reseed", str(seed))
@@ -249,34 +148,3 @@ def _require(value: str | None, what: str) -> str:
     if not value:
         raise Stop(f"the recipe must set {what}")
     return value
-
-
-def _encode_random_state() -> str:
-    return json.dumps(random.getstate(), default=list)
-
-
-def _decode_random_state(text: str) -> tuple:
-    version, internal, gauss = json.loads(text)
-    return (version, tuple(internal), gauss)
-
-
-def timed(timings: dict[str, float], name: str) -> Any:
-    class _Timer:
-        def __enter__(self) -> None:
-            self.t = time.perf_counter()
-
-        def __exit__(self, *exc: Any) -> None:
-            timings[f"time/{name}"] = time.perf_counter() - self.t
-
-    return _Timer()
-
-
-class _Supervised:
-    """A client whose verification requests go through its server's supervisor (a crash
-    restarts the server, re-sends the weights and redoes the request)."""
-
-    def __init__(self, client: RolloutClient, supervisor: ServerSupervisor) -> None:
-        self.client, self.supervisor = client, supervisor
-
-    def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
-        return self.supervisor.call("the sync verification", self.client.prompt_logprobs, seqs)

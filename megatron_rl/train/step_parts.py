@@ -1,8 +1,9 @@
 """Pieces of one training step that the loop calls: minibatches, CHORD's SFT rows, the probe
-batch for sync verification, and the step's metrics."""
+batch for sync verification, the step's timings and its metrics."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,11 +51,13 @@ def _masked_mean_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> fl
     return float(((a - b).abs() * mask).sum() / mask.sum().clamp(min=1))
 
 
-def step_metrics(scored: ScoredRollout, batch: TrainBatch, updates: list[dict[str, float]],
-                 timings: dict[str, float], extra: dict[str, float], version: int) -> dict[str, float]:
+def step_metrics(scored: ScoredRollout, batch: TrainBatch, zero_variance_frac: float,
+                 updates: list[dict[str, float]], timings: dict[str, float], extra: dict[str, float],
+                 version: int) -> dict[str, float]:
+    """`batch` is the trained one: policy log-probs, advantages, the mask after flat groups."""
     m: dict[str, float] = {"reward/mean": float(scored.rewards.mean()), "reward/std": float(scored.rewards.std()),
                            "response_length/mean": float(scored.response_lengths.mean()),
-                           "zero_variance_group_frac": scored.zero_variance_frac, "weight_version": version}
+                           "zero_variance_group_frac": zero_variance_frac, "weight_version": version}
     for name, values in scored.reward_parts.items():
         m[f"reward/{name}/mean"] = float(values.mean())
         m[f"reward/{name}/std"] = float(values.std())
@@ -75,3 +78,15 @@ def step_metrics(scored: ScoredRollout, batch: TrainBatch, updates: list[dict[st
     tokens = float(batch.mask.sum())
     m["tokens_per_s"] = tokens / max(m["time/step"], 1e-9)
     return m
+
+
+def timed(timings: dict[str, float], name: str) -> Any:
+    """A context that records its wall time as `timings["time/<name>"]`."""
+    class _Timer:
+        def __enter__(self) -> None:
+            self.t = time.perf_counter()
+
+        def __exit__(self, *exc: Any) -> None:
+            timings[f"time/{name}"] = time.perf_counter() - self.t
+
+    return _Timer()

@@ -12,7 +12,6 @@ import math
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E4
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.train.session import Session  # noqa: E402
+from megatron_rl.train.run_control import agree_on_stop  # noqa: E402
 from megatron_rl.train.setup import init_process_group  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
@@ -40,9 +39,7 @@ def main() -> None:
     result: dict[str, object] = {"backend": dist.get_backend(), "local_rank": local,
                                  "current_device": torch.cuda.current_device()}
     # The trainer's per-step control collective: only rank 0 was signalled, every rank must learn it.
-    holder = SimpleNamespace(stop_signal="SIGUSR1" if rank == 0 else None)
-    Session.agree_on_stop(holder)
-    result["stop_seen"] = holder.stop_signal is not None
+    result["stop_seen"] = agree_on_stop("SIGUSR1" if rank == 0 else None) is not None
     hf = read_hf_config(hf_dir)
     layout = LAYOUTS["tp2_sp" if dist.get_world_size() == 2 else "tp1"]
     init_parallel(layout, seed=1)
