@@ -132,6 +132,56 @@ assert float(t[0]) == 1.0
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
 
 
+def test_torch_listens_everywhere_and_the_bound_store_on_its_address_only() -> None:
+    """torch's TCPStore server ignores its host for binding (why `megatron_rl.launch` exists:
+    should torch ever bind the host, this fails and the launcher can go)."""
+    from datetime import timedelta
+
+    import psutil
+    import torch.distributed as dist
+
+    from megatron_rl.megatron import rendezvous
+
+    def listening() -> set[str]:
+        return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+    before = listening()
+    plain = rendezvous.TCPSTORE("127.0.0.1", 0, 1, True, timedelta(seconds=30))
+    assert listening() - before & {"0.0.0.0", "::"}
+    del plain
+    for libuv in (True, False):
+        store = rendezvous.bound_tcp_store("127.0.0.1", 0, 1, True, timedelta(seconds=30), use_libuv=libuv)
+        client = dist.TCPStore("127.0.0.1", store.port, 1, False, timedelta(seconds=30))
+        store.set("k", "v")
+        assert client.get("k") == b"v" and listening() - before == {"127.0.0.1"}
+        del client, store
+    with pytest.raises(rendezvous.RendezvousAddressError, match="other nodes cannot reach"):
+        rendezvous.listen_on("localhost", 0, multi_node=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rdzv", [["--master-addr=127.0.0.1"], ["--rdzv-backend=c10d", "--rdzv-id=t"]])
+def test_two_ranks_listen_on_the_rendezvous_address_only(rdzv: list[str], tmp_path: Path) -> None:
+    """A single-node two-rank run through `megatron_rl.launch` (static rendezvous as the tests and
+    conversion use it, c10d as the Slurm job does): the store is on 127.0.0.1:<port>, and no
+    socket of the launcher or the ranks listens on a wildcard address."""
+    from tests.mp.launch import cpu_env, free_port
+
+    port = free_port()
+    where = [*rdzv, f"--master-port={port}"] if "--master-addr=127.0.0.1" in rdzv \
+        else [*rdzv, f"--rdzv-endpoint=127.0.0.1:{port}"]
+    cmd = [sys.executable, "-m", "megatron_rl.launch", "--nproc-per-node=2", *where,
+           str(REPO / "tests" / "mp" / "listen_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=cpu_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["sum"] == 2.0 for r in results)
+    assert f"127.0.0.1:{port}" in results[0]["agent"]
+    sockets = [a for r in results for a in r["agent"] + r["worker"]]
+    assert not [a for a in sockets if a.rsplit(":", 1)[0] in ("0.0.0.0", "::")], sockets
+
+
 # ---------------------------------------------------------------------------------- the CLI
 def test_overrides_after_resume_parse() -> None:
     from megatron_rl.cli import build_parser

@@ -194,7 +194,7 @@ def test_values_with_spaces_and_command_substitutions_stay_literal(tmp_path: Pat
     assert not marker.exists()
     calls = [json.loads(line) for line in Path(env["STUB_LOG"]).read_text().splitlines()]
     train = calls[-1]["argv"]
-    assert train[:2] == ["-m", "torch.distributed.run"] and calls[-1]["weird"] == payload
+    assert train[:2] == ["-m", "megatron_rl.launch"] and calls[-1]["weird"] == payload
     tail = train[train.index("megatron_rl.slurm.stop_relay") + 1:]
     assert tail == [str(files.run_dir / "slurm" / "stop-42"), "--", str(stub), "-m", "megatron_rl.cli", "train",
                     str(files.recipe), "--resume"]

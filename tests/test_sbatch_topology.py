@@ -114,12 +114,12 @@ def test_rendered_steps_start_what_the_plan_counts(recipe: Path, tmp_path: Path)
     nodes = [f"n{i:02d}" for i in range(1, total_nodes(cfg) + 1)]
     rollout = plan["rollout"]
 
-    train_step = next(s for s in steps if "torch.distributed.run" in s)
+    train_step = next(s for s in steps if "megatron_rl.launch" in s)
     train_nodes = int(option(train_step, "--nodes"))
     assert option(train_step, "--ntasks-per-node") == "1"
     assert option(train_step, "--gpus-per-node") == str(gpus_per_node)
     assert option(train_step, "--nodelist") == ",".join(nodes[:train_nodes])
-    torchrun = [c for c in python_calls if c["argv"][:2] == ["-m", "torch.distributed.run"]]
+    torchrun = [c for c in python_calls if c["argv"][:2] == ["-m", "megatron_rl.launch"]]
     assert [c["node"] for c in torchrun] == nodes[:train_nodes]            # one launcher per trainer node
     assert int(option(torchrun[0]["argv"], "--nnodes")) == train_nodes
     procs = int(option(torchrun[0]["argv"], "--nproc-per-node"))

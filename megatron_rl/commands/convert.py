@@ -1,7 +1,7 @@
 """`megatron-rl convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --etp N]` and
 `megatron-rl convert mcore-to-hf --mcore DIR --out DIR [--tp N ...]`.
 
-Runs pp × lcm(tp, ep × etp) CPU worker processes (torch.distributed.run, gloo); each holds only its
+Runs pp × lcm(tp, ep × etp) CPU worker processes (torchrun via `megatron_rl.launch`, gloo); each holds only its
 shard of the model. Exit status: 0 converted, 1 failed (the error lists every missing, unexpected
 or mis-shaped tensor; no output directory is left behind).
 """

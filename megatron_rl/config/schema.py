@@ -376,7 +376,8 @@ class SlurmConfig:
     """GPUs requested per node (#SBATCH --gpus-per-node) and checked by the preflight; None =
     parallelism.gpus_per_node, 0 = a CPU job (no GPU request, no GPU check, no `--nv`)."""
     master_port: int = spec(29500, ge=1, le=65535)
-    """torchrun rendezvous port on the first node."""
+    """torchrun rendezvous port on the first node; the store listens there on the node's cluster
+    address only, not on every interface (`megatron_rl.launch`, slurm/README.md)."""
     extra_sbatch: list[str] = spec(factory=list)
     """Additional `#SBATCH` options, verbatim (e.g. '--exclusive')."""
     env: dict[str, str] = spec(factory=dict)

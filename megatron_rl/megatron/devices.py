@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import TrainerConfig
+from . import rendezvous
 
 DEFAULT_COLLECTIVE_TIMEOUT_MIN: float = TrainerConfig.collective_timeout_min
 """The recipe's default, for callers without a recipe (tests, tools)."""
@@ -52,13 +53,17 @@ def backend() -> str:
 def init_distributed(timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN, store: dist.Store | None = None) -> None:
     """Bind the device, then create the world group (once). The timeout must cover the longest
     time a rank can wait for rank 0: the rollout server's start and a full rollout. `store` is
-    for a world of one (rank 0 of 1); otherwise torchrun's rendezvous environment is used."""
+    for a world of one (rank 0 of 1); otherwise torchrun's rendezvous environment is used, and a
+    store this rank hosts (torchrun's agent normally does) listens only on $MASTER_ADDR."""
     if dist.is_initialized():
         return
     device = bind_local_device()
     kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
     if store is not None:
         kwargs.update(store=store, rank=0, world_size=1)
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rendezvous.install(multi_node=world > int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dist.init_process_group(backend(), timeout=timedelta(minutes=timeout_min), **kwargs)
 
 

@@ -1,6 +1,6 @@
 """HF ↔ Megatron dist-checkpoint conversion: the launcher side (no torch, no megatron imports).
 
-`run_conversion` starts `torch.distributed.run` with CPU gloo workers (`convert_worker.py`); each
+`run_conversion` starts torchrun (`megatron_rl.launch`) with CPU gloo workers (`convert_worker.py`); each
 builds only its own shard of the model at the requested layout and either fills it from the HF
 safetensors (hf-to-mcore, then one torch_dist checkpoint via `save_checkpoint`) or loads the
 dist-checkpoint and streams it layer by layer into HF shards (mcore-to-hf).
@@ -158,7 +158,7 @@ def run_conversion(job: ConvertJob, force: bool = False) -> int:
 
 
 def _worker_command(job: ConvertJob, world: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
+    return [sys.executable, "-m", "megatron_rl.launch", f"--nproc-per-node={world}", "--nnodes=1",
             "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
             "-m", "megatron_rl.weights.convert", job.to_json()]
 

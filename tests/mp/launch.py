@@ -29,7 +29,7 @@ def torchrun(worker: str, *args: str, nproc: int = 2, timeout: float = 600,
              cuda: bool = False) -> subprocess.CompletedProcess:
     env = dict(os.environ) if cuda else cpu_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "megatron_rl.launch", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(REPO / "tests" / "mp" / worker), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
