@@ -54,7 +54,9 @@ def schedule(steps: int, seed: int) -> dict[int, str]:
 def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Path, resume: bool) -> int:
     """Run `train` with the plan's kills wired in (this process only: the server stays real)."""
     import megatron_rl.megatron.checkpoint as ckpt
+    import megatron_rl.train.checkpointing as checkpointing_mod
     import megatron_rl.train.session as session_mod
+    import megatron_rl.train.sync_phase as sync_phase_mod
     from megatron_rl.config import load_recipe
     from megatron_rl.megatron.actor import Actor
     from megatron_rl.rollout.client import RolloutClient
@@ -110,16 +112,16 @@ def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Pat
         return result
     RolloutClient._post = client_post_and_kill
 
-    verify = session_mod.Session.verify
+    verify = sync_phase_mod.verify
 
-    def verify_and_kill(self: Any, probe: Any) -> dict:
+    def verify_and_kill(session: Any, probe: Any, version: int) -> dict:
         state["in_verify"] = True
         try:
             inject("verify")
-            return verify(self, probe)
+            return verify(session, probe, version)
         finally:
             state["in_verify"] = False
-    session_mod.Session.verify = verify_and_kill
+    sync_phase_mod.verify = verify_and_kill
 
     logprobs, train_step = Actor.compute_logprobs, Actor.train_step
 
@@ -145,7 +147,7 @@ def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Pat
     def save_and_kill(*args: Any, **kwargs: Any) -> Any:
         inject("checkpoint")
         return save(*args, **kwargs)
-    session_mod.save_checkpoint = save_and_kill
+    checkpointing_mod.save_checkpoint = save_and_kill
 
     train(load_recipe(recipe, overrides), resume=resume)
     return 0

@@ -18,6 +18,7 @@ from ..config.schema import RecipeConfig
 from ..console import Progress
 from ..tasks import LoadedTask, resolve_task
 from ..types import TrainBatch
+from . import sync_phase
 from .batch import ScoredRollout, build_batch, kl_penalty, score_groups, with_advantages
 from .checkpointing import resume as resume_checkpoint
 from .checkpointing import save
@@ -29,7 +30,6 @@ from .run_control import Stop, StopSignals, agree_on_stop
 from .session import Session
 from .setup import Prompts, export_hf, init_process_group, make_run_dir
 from .step_parts import probe_batch, step_metrics, timed
-from .sync_phase import push_weights, sync_metrics, verify
 from .update_phase import update, with_policy_logprobs
 
 
@@ -51,8 +51,8 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
         session.start_server()
         # A resumed run re-sends its checkpointed weights under their own version.
         version = version if resumed else version + 1
-        push_weights(session, version)
-        first = verify(session, probe, version)
+        sync_phase.push_weights(session, version)
+        first = sync_phase.verify(session, probe, version)
         if session.rank0:
             print(startup_summary(cfg, session, task, start, first), flush=True)
         progress = Progress(start + 1, total)
@@ -134,9 +134,9 @@ def publish(session: Session, task: LoadedTask, step: int, version: int, probe: 
     evaluate every `evaluation.interval` steps; returns their metrics (collective)."""
     cfg = session.cfg
     with timed(timings, "sync"):
-        extra = sync_metrics(push_weights(session, version))
+        extra = sync_phase.sync_metrics(sync_phase.push_weights(session, version))
         if cfg.rollout.verify_every and version % cfg.rollout.verify_every == 0:
-            extra.update(verify(session, probe, version))
+            extra.update(sync_phase.verify(session, probe, version))
     if eval_set is not None and step % cfg.evaluation.interval == 0:
         with timed(timings, "eval"):
             extra.update(evaluate(session, eval_set, task, version))
