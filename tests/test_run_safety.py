@@ -155,7 +155,7 @@ def test_torch_listens_everywhere_and_the_bound_store_on_its_address_only() -> N
         store.set("k", "v")
         assert client.get("k") == b"v" and listening() - before == {"127.0.0.1"}
         del client, store
-    with pytest.raises(rendezvous.RendezvousAddressError, match="other nodes cannot reach"):
+    with pytest.raises(rendezvous.RendezvousAddressError, match="other nodes of a multi-node run cannot reach"):
         rendezvous.listen_on("localhost", 0, multi_node=True)
 
 
@@ -180,6 +180,20 @@ def test_two_ranks_listen_on_the_rendezvous_address_only(rdzv: list[str], tmp_pa
     assert f"127.0.0.1:{port}" in results[0]["agent"]
     sockets = [a for r in results for a in r["agent"] + r["worker"]]
     assert not [a for a in sockets if a.rsplit(":", 1)[0] in ("0.0.0.0", "::")], sockets
+
+
+@pytest.mark.slow
+def test_a_multi_node_launch_on_a_loopback_address_stops_with_the_reason(tmp_path: Path) -> None:
+    """Listening on loopback would leave the other nodes timing out at the rendezvous."""
+    from tests.mp.launch import cpu_env, free_port
+
+    cmd = [sys.executable, "-m", "megatron_rl.launch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=t", str(REPO / "tests" / "mp" / "listen_worker.py"),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=cpu_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    reason = "rendezvous host '127.0.0.1' is a loopback address, which the other nodes"
+    assert reason in proc.stderr, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------- the CLI

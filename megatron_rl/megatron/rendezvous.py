@@ -31,8 +31,10 @@ MULTI_NODE = False
 """Set by `install(multi_node=True)`: a loopback rendezvous address is then an error."""
 
 
-class RendezvousAddressError(RuntimeError):
-    """The rendezvous host does not resolve to an address that other nodes can reach."""
+class RendezvousAddressError(Exception):
+    """The rendezvous host does not resolve to an address that other nodes can reach. Not a
+    `RuntimeError` on purpose: torchrun's c10d backend takes those for "another process hosts
+    the store" and retries as a client, which would hide this message behind a timeout."""
 
 
 def bound_tcp_store(host_name: str, port: int, *args: Any, **kwargs: Any) -> dist.TCPStore:
@@ -53,10 +55,13 @@ def listen_on(host_name: str, port: int, multi_node: bool | None = None) -> sock
         raise RendezvousAddressError(f"rendezvous host {host_name!r} is the wildcard address {ip}: "
                                      "name the node (or 127.0.0.1 for one node)")
     if (MULTI_NODE if multi_node is None else multi_node) and ip.is_loopback:
-        raise RendezvousAddressError(
-            f"rendezvous host {host_name!r} resolves to {ip} on this node, which the other nodes cannot "
-            "reach: it must resolve to the node's cluster address (check /etc/hosts for a "
-            f"'127.0.1.1 {host_name}' line; torchrun's --local-addr names the address of its second store)")
+        literal = host_name == address[0]
+        where = "is a loopback address" if literal else f"resolves to {ip} on this node"
+        fix = "name the node or its cluster address" if literal else \
+            f"it must resolve to the node's cluster address (check /etc/hosts for a '{ip} {host_name}' line)"
+        raise RendezvousAddressError(f"rendezvous host {host_name!r} {where}, which the other nodes of a multi-node "
+                                     f"run cannot reach: {fix}; torchrun's --local-addr sets the address of "
+                                     "its second store")
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as TCPStore's own server does
@@ -64,8 +69,9 @@ def listen_on(host_name: str, port: int, multi_node: bool | None = None) -> sock
         sock.listen(socket.SOMAXCONN)
     except OSError as e:
         sock.close()
-        raise RendezvousAddressError(f"cannot listen on {address[0]}:{port} (rendezvous host {host_name!r}): "
-                                     f"{e}") from e
+        # What TCPStore raises when it cannot listen: the c10d backend then joins as a client.
+        raise dist.DistNetworkError(f"cannot listen on {address[0]}:{port} (rendezvous host {host_name!r}): "
+                                    f"{e}") from e
     return sock
 
 
