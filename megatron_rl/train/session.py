@@ -38,8 +38,8 @@ from ..tasks import LoadedTask
 from ..types import TrainBatch
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
-from ..weights.sync import FanoutTransport, sync_weights
-from ..weights.transport_file import FileTransport
+from ..weights.sync import Transport, sync_weights
+from ..weights.transport_engine import make_transport
 from . import verification
 from .data_order import DataOrder
 from .setup import load_prompts, load_sft_tokens, require_eos
@@ -85,12 +85,12 @@ class Session:
         self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
         self.version = 0
         self.servers: list[RolloutServer] = []
-        self.transports: list[FileTransport] = []
+        self.transports: list[Any] = []
         self.clients: list[RolloutClient] = []
         self.supervisors: list[ServerSupervisor] = []
         self.resync_restored = False
         """The first sync after a resume re-sends the checkpointed weights under their own version."""
-        self.transport: FileTransport | FanoutTransport | None = None
+        self.transport: Transport | None = None
         self.client: RolloutClient | MultiClient | None = None
         self.stop_signal: str | None = None
 
@@ -126,14 +126,15 @@ class Session:
                                    extra_args=self.init.server_args)
             server.start()
             self.servers = [server]
-        self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
+        # One sender for all servers (write once / one broadcast); per server, what its supervisor re-sends.
+        self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
+                                                         r.sync_bucket_mb << 20)
         self.supervisors = [ServerSupervisor(s, t) for s, t in zip(self.servers, self.transports)]
         for transport, supervisor in zip(self.transports, self.supervisors):
             transport.supervise = supervisor.call
         self.clients = [RolloutClient.for_server(s, max_concurrency=r.max_concurrency, timeout_s=r.request_timeout_s,
                                                  max_retries=r.max_retries, on_failure=sup)
                         for s, sup in zip(self.servers, self.supervisors)]
-        self.transport = self.transports[0] if len(self.transports) == 1 else FanoutTransport(self.transports)
         self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)
 
     def sampling(self) -> SamplingSettings:
