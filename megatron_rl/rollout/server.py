@@ -26,8 +26,9 @@ import torch
 from ..config.schema import RolloutConfig
 from .shm import SHM, stale_vllm_segments
 
-WEIGHT_TRANSFER_BACKENDS = {"shm": "mrl_shm", "nccl": "nccl", "ipc": "ipc"}
-"""`rollout.weight_transfer` → vLLM's engine (`mrl_shm` is registered by rollout/worker_ext.py)."""
+WEIGHT_TRANSFER_BACKENDS = {"shm": "mrl_shm", "nccl": "mrl_nccl", "ipc": "mrl_ipc"}
+"""`rollout.weight_transfer` → the vLLM engine (registered by rollout/worker_ext.py; `mrl_nccl` and
+`mrl_ipc` are vLLM's nccl and ipc engines that also count what each worker loaded)."""
 
 
 class ServerError(RuntimeError):

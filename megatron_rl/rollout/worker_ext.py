@@ -31,9 +31,11 @@ LOADED: dict[str, Any] = {"version": 0}
 def _register_engine() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if SHM_BACKEND not in WeightTransferEngineFactory._registry:      # imported twice in one process
-        WeightTransferEngineFactory.register_engine(SHM_BACKEND, "megatron_rl.rollout.weight_engine",
-                                                    "ShmWeightTransferEngine")
+    for name, module, cls in ((SHM_BACKEND, "weight_engine", "ShmWeightTransferEngine"),
+                              ("mrl_nccl", "weight_engine_gpu", "CountingNcclEngine"),
+                              ("mrl_ipc", "weight_engine_gpu", "CountingIpcEngine")):
+        if name not in WeightTransferEngineFactory._registry:      # imported twice in one process
+            WeightTransferEngineFactory.register_engine(name, f"megatron_rl.rollout.{module}", cls)
 
 
 _register_engine()
@@ -59,10 +61,17 @@ class WorkerExtension:
         return dict(LOADED)
 
     def mrl_weight_version(self) -> int:
-        return int(LOADED["version"])
+        return -1 if LOADED["version"] is None else int(LOADED["version"])   # -1: finished, not committed
 
     def mrl_loaded(self) -> dict[str, Any]:
         """What the last update loaded here (version, tensors, MoE layers re-packed)."""
+        return dict(LOADED)
+
+    def mrl_commit_version(self, version: str) -> dict[str, Any]:
+        """After an update through vLLM's own GPU engines (which carry no version): record it."""
+        if LOADED.get("version") is not None:
+            raise RuntimeError(f"mrl_commit_version({version}): no finished update to commit")
+        LOADED["version"] = int(version)
         return dict(LOADED)
 
     def mrl_device_uuid(self) -> str:

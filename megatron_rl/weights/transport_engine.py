@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
-from .sync import Transport
 from .transport_file import ControlEndpoint, FileTransport, _direct, one_result
+
+if TYPE_CHECKING:
+    from .sync import Transport     # imports megatron-core (cpu_compat first); only its protocol is needed
 
 Backend = Literal["shm", "nccl", "ipc"]
 

@@ -33,6 +33,7 @@ import httpx
 import torch
 
 from .transport_engine import EngineLink, EngineServer
+from .transport_file import one_result
 
 PACKED_BUFFER_BYTES = 1 << 30
 PACKED_BUFFERS = 2
@@ -116,7 +117,12 @@ class _GpuTransport:
     def finish(self, names: list[str]) -> dict[str, Any]:
         if sorted(self.sent) != sorted(names):
             raise RuntimeError(f"weight update incomplete: {len(self.sent)} tensors sent, {len(names)} expected")
-        results = [link.finish(self.version) for link in self.links]
+        results = []
+        for link in self.links:
+            loaded = link.finish(self.version)
+            if loaded.get("tensors") != len(names):
+                raise RuntimeError(f"{link.server.base_url}: the workers loaded {loaded}, {len(names)} tensors sent")
+            results.append(one_result(link.server.rpc("mrl_commit_version", str(self.version))))
         return {**results[0], "servers": len(results)}
 
     def abort(self) -> None:
