@@ -25,7 +25,7 @@ import torch
 from .transport_file import ControlEndpoint, FileTransport, _direct, one_result
 
 if TYPE_CHECKING:
-    from .sync import Transport     # imports megatron-core (cpu_compat first); only its protocol is needed
+    from .sync import Transport  # imports megatron-core (cpu_compat first); only its protocol is needed
 
 Backend = Literal["shm", "nccl", "ipc"]
 
