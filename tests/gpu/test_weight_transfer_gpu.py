@@ -5,7 +5,8 @@ both sides, no TF32: tolerance 2e-3). `nccl` needs a second GPU (NCCL refuses tw
 device): the server runs on GPU 1. `ipc` shares the trainer's GPU 0 with the server.
 
 Run inside the container image on a GPU node (README, "Weight sync"):
-    apptainer exec --nv megatron-rl.sif python -m pytest -m gpu tests/gpu/test_weight_transfer_gpu.py -v
+    apptainer exec --nv --pwd /opt/megatron-rl megatron-rl.sif \
+        python -m pytest -m gpu tests/gpu/test_weight_transfer_gpu.py -v
 """
 
 from __future__ import annotations
