@@ -32,11 +32,10 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
+from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, open_group
+from ..rollout.server import free_port
 from .transport_engine import EngineLink, EngineServer
 from .transport_file import one_result
-
-PACKED_BUFFER_BYTES = 1 << 30
-PACKED_BUFFERS = 2
 
 
 def _meta(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -148,10 +147,6 @@ class NcclTransport(_GpuTransport):
         self.comm: Any = None
 
     def _connect(self) -> None:
-        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
-        from ..rollout.server import free_port
-
         if self.comm is not None:
             for link in self.links:
                 link.server.post("/shutdown_weight_transfer_engine")
@@ -166,31 +161,14 @@ class NcclTransport(_GpuTransport):
         calls = [partial(link.init_engine, {**common, "rank_offset": off}) for link, off in zip(self.links, offsets)]
         result: list[Any] = []
 
-        def rendezvous() -> None:
-            with torch.cuda.device(self.device):
-                result.append(stateless_init_process_group(address, port, 0, 1 + sum(sizes), self.device))
-
-        _on_threads(calls, rendezvous)
+        _on_threads(calls, lambda: result.append(open_group(address, port, 1 + sum(sizes), self.device)))
         self.comm = result[0]
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-
         local = {n: t.to(self.device).contiguous() for n, t in tensors.items()}
         meta = _meta(local)
-
-        def broadcast() -> None:
-            with torch.cuda.device(self.device):
-                if self.packed:
-                    packed_nccl_broadcast_producer(iter(local.items()), self.comm, 0, lambda item: item[1],
-                                                   PACKED_BUFFER_BYTES, PACKED_BUFFERS)
-                else:
-                    stream = torch.cuda.current_stream(self.device)
-                    for t in local.values():
-                        self.comm.broadcast(t, src=0, stream=stream)
-                    stream.synchronize()
-
-        _on_threads([partial(link.update, meta) for link in self.links], broadcast)
+        _on_threads([partial(link.update, meta) for link in self.links],
+                    partial(broadcast, self.comm, local, self.device, self.packed))
         self.sent += meta["names"]
 
 
