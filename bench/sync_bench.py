@@ -299,7 +299,7 @@ def summarize_baselines(rounds: list[dict[str, tuple[float, float, float, int]]]
 
 
 def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, bucket_bytes: int,
-                engine: bool = True) -> dict[str, Any]:
+                engine: bool = True, moe_load: str = "layerwise") -> dict[str, Any]:
     from tests.rollout_fixtures import start_server, tiny_model_with_tokenizer
 
     load_before = os.getloadavg()
@@ -328,7 +328,7 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
         dest = [torch.empty_like(p).copy_(p) for p in params]
         times: dict[str, float] = defaultdict(float)
         endpoint = TimedEndpoint(server, times)
-        inner = SharedSegmentTransport([endpoint], segment_bytes=bucket_bytes) if engine \
+        inner = SharedSegmentTransport([endpoint], segment_bytes=bucket_bytes, moe_load=moe_load) if engine \
             else FileTransport(endpoint, segment_bytes=bucket_bytes)
         try:
             for v in range(1, repeats + 1):
@@ -355,12 +355,12 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
     summary = {"steady_sync_s": median["total_s"], "memcpy_warm_s": warm_s,
                "ratio_memcpy_warm_over_sync": warm_s / median["total_s"],
                "ratio_paired_median": paired["ratio_vs_memcpy_warm"], "target": 0.25}
-    print(f"[sync_bench] {name} ({nbytes / 1e6:.0f} MB, {'engine' if engine else 'rpc'}): steady sync "
+    print(f"[sync_bench] {name} ({nbytes / 1e6:.0f} MB, {'engine, moe ' + moe_load if engine else 'rpc'}): steady sync "
           f"{summary['steady_sync_s']:.3f} s, warm memcpy {warm_s:.3f} s, ratio {summary['ratio_paired_median']:.3f} "
           f"(paired median; of medians {summary['ratio_memcpy_warm_over_sync']:.3f}); target >= 0.25",
           file=sys.stderr, flush=True)
     result = {
-        "summary": summary, "transport": "engine" if engine else "rpc",
+        "summary": summary, "transport": "engine" if engine else "rpc", "moe_load": moe_load,
         "model": {"fields": fields, "dir": str(model_dir), "parameters": sum(p.numel() for p in params),
                   "expected_parameters": hf_param_count(fields), "bytes": base["bytes"],
                   "mb": base["bytes"] / 1e6, "dtype": "float32", "build_or_reuse_s": build_s},
@@ -389,6 +389,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--bucket-mb", type=int, default=512, help="MiB per segment (RolloutConfig.sync_bucket_mb default)")
     ap.add_argument("--transport", choices=("engine", "rpc"), default="engine")
+    ap.add_argument("--moe-load", choices=("layerwise", "in_place"), default="layerwise",
+                    help="engine only: how the server loads the MoE experts (rollout/weight_engine.py)")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
     # SIGTERM → SystemExit, so the finally blocks stop the servers.
@@ -408,7 +410,7 @@ def main() -> None:
     try:
         for name in args.models.split(","):
             out["models"][name] = bench_model(name, specs[name], args.dir, args.repeats, args.bucket_mb << 20,
-                                              args.transport == "engine")
+                                              args.transport == "engine", args.moe_load)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -33,10 +33,16 @@ from vllm.distributed.weight_transfer.base import (
 
 from .worker_ext import LOADED, _repack_cpu_moe, _views
 
+MOE_LOADS = ("layerwise", "in_place")
+
 
 @dataclass
 class ShmInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: the segments are named in every update."""
+    moe_load: str = "layerwise"
+    """CPU fused-MoE experts: through the layer-wise reload like every layer ('layerwise'), or
+    copied by their weight loaders straight into the live (packed) expert tensors and re-packed
+    once at the end ('in_place': two passes over the expert bytes instead of four). GPU workers
+    always use the layer-wise reload."""
 
 
 @dataclass
@@ -55,16 +61,22 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.moe_load = "layerwise"
         self.maps: dict[tuple[str, int, int], tuple[mmap.mmap, torch.Tensor]] = {}
         self.round: dict[str, Any] = {}
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        if init_info.moe_load not in MOE_LOADS:
+            raise ValueError(f"mrl_shm: init_info.moe_load must be one of {MOE_LOADS}, got {init_info.moe_load!r}")
+        self.moe_load = init_info.moe_load
         self.maps.clear()
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        if self.moe_load == "in_place" and self.device.type == "cpu":
+            _experts_out_of_reload(self.model)
         self.round = {"version": None, "tensors": 0}
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
@@ -102,3 +114,23 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         for key in set(self.maps) - set(keys):
             del self.maps[key]      # unmapped once vLLM holds no view into it either
         return [self.maps[k][1] for k in keys]
+
+
+def _experts_out_of_reload(model: torch.nn.Module) -> int:
+    """Put the live expert tensors of every CPU fused-MoE layer back in place of the layer-wise
+    reload's placeholders, so `load_weights` copies the experts straight into them (their
+    loaders narrow and copy, the layout is the checkpoint's until `_repack_cpu_moe` packs it).
+    Uses vLLM 0.32's own helper for a layer that received nothing (`_place_kernel_tensors`)."""
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info
+
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if getattr(kernel, "fused_experts", None) is None:
+            continue
+        info = get_layerwise_info(module)
+        if info.can_load():
+            _place_kernel_tensors(module, info)
+            info.reset()
+            count += 1
+    return count

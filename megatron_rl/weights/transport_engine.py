@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from .sync import Transport  # imports megatron-core (cpu_compat first); only its protocol is needed
 
 Backend = Literal["shm", "nccl", "ipc"]
+MOE_LOAD = "layerwise"
+"""How CPU workers load fused-MoE experts (`rollout/weight_engine.py`, `ShmInitInfo.moe_load`)."""
 
 
 class EngineServer(ControlEndpoint, Protocol):
@@ -94,8 +96,8 @@ class EngineLink:
 class ShmLink(EngineLink):
     """One server reading the shared segments; what its supervisor re-sends after a restart."""
 
-    def __init__(self, shared: SharedSegmentTransport, server: EngineServer) -> None:
-        super().__init__(server)
+    def __init__(self, shared: SharedSegmentTransport, server: EngineServer, init_info: dict[str, Any]) -> None:
+        super().__init__(server, init_info)
         self.shared = shared
 
     @property
@@ -128,9 +130,9 @@ class SharedSegmentTransport(FileTransport):
     """Write once, read by all: one copy of each version, the same manifest to every server."""
 
     def __init__(self, servers: Sequence[EngineServer], root: Path | None = None,
-                 segment_bytes: int = 512 << 20) -> None:
+                 segment_bytes: int = 512 << 20, moe_load: str = MOE_LOAD) -> None:
         super().__init__(servers[0], root, segment_bytes)
-        self.links = [ShmLink(self, s) for s in servers]
+        self.links = [ShmLink(self, s, {"moe_load": moe_load}) for s in servers]
 
     def _deliver(self, version: int, manifest: str) -> dict[str, Any]:
         results = [link.supervise("the weight sync", link.load, version, manifest) for link in self.links]
