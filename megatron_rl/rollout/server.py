@@ -26,6 +26,10 @@ import torch
 from ..config.schema import RolloutConfig
 from .shm import SHM, stale_vllm_segments
 
+WEIGHT_TRANSFER_BACKENDS = {"shm": "mrl_shm", "nccl": "mrl_nccl", "ipc": "mrl_ipc"}
+"""`rollout.weight_transfer` → the vLLM engine (registered by rollout/worker_ext.py; `mrl_nccl` and
+`mrl_ipc` are vLLM's nccl and ipc engines that also count what each worker loaded)."""
+
 
 class ServerError(RuntimeError):
     """The server did not come up, or died."""
@@ -119,7 +123,9 @@ class RolloutServer:
                 "--generation-config", "vllm",
                 # Token ids in and out: detokenizing every generated token cost ~13% of the
                 # tokens/s here (bench/rollout_client_bench.py); EOS comes with each request.
-                "--skip-tokenizer-init"]
+                "--skip-tokenizer-init",
+                # Weight syncs go through vLLM's weight-transfer routes (weights/transport_engine.py).
+                "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKENDS[c.weight_transfer]})]
         if c.enforce_eager:
             args.append("--enforce-eager")
         if c.enable_expert_parallel:
@@ -130,6 +136,8 @@ class RolloutServer:
         inherited = {k: v for k, v in os.environ.items() if not _is_launcher_variable(k)}
         env = dict(inherited, VLLM_API_KEY=self.token, VLLM_SERVER_DEV_MODE="1",
                    VLLM_CPU_KVCACHE_SPACE=str(self.cfg.cpu_kvcache_gb), MRL_PARENT_PID=str(os.getpid()))
+        if self.cfg.weight_transfer == "ipc":
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"   # vLLM's ipc engine unpickles the CUDA IPC handles
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
         if not torch.cuda.is_available():

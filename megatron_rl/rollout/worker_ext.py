@@ -6,6 +6,10 @@ worker maps the files (keeping a mapping while its file stays the same, so an in
 no new pages here either), reloads through vLLM's layer-wise reload from views into the mapping,
 and then re-runs the CPU MoE expert repacking, which vLLM 0.32 skips on a weight update (the
 weights would silently stay in the old packed layout).
+
+Importing this module (vLLM does, in every worker, before the model loads) also registers the
+`mrl_shm` weight-transfer engine (`weight_engine.py`), the same manifest driven through vLLM's
+weight-transfer routes.
 """
 
 from __future__ import annotations
@@ -19,14 +23,31 @@ from typing import Any
 
 import torch
 
+SHM_BACKEND = "mrl_shm"
+LOADED: dict[str, Any] = {"version": 0}
+"""What this worker process last loaded (one worker per process), by either path."""
+
+
+def _register_engine() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    for name, module, cls in ((SHM_BACKEND, "weight_engine", "ShmWeightTransferEngine"),
+                              ("mrl_nccl", "weight_engine_gpu", "CountingNcclEngine"),
+                              ("mrl_ipc", "weight_engine_gpu", "CountingIpcEngine")):
+        if name not in WeightTransferEngineFactory._registry:      # imported twice in one process
+            WeightTransferEngineFactory.register_engine(name, f"megatron_rl.rollout.{module}", cls)
+
+
+_register_engine()
+
 
 class WorkerExtension:
     """Mixed into vLLM's worker; `self.model_runner` is the worker's model runner."""
 
-    _mrl_version: int = 0
     # Provided by the vLLM worker this class is mixed into (declared for the type checker only).
     model_runner: Any
     reload_weights: Any
+    device: torch.device
 
     def mrl_update(self, version: str, manifest: str) -> dict[str, Any]:
         """Load every tensor the manifest lists; returns what was loaded."""
@@ -36,11 +57,26 @@ class WorkerExtension:
         # context, which some GPU MoE paths assert (get_current_vllm_config).
         self.reload_weights(weights_iterator=_views(spec["tensors"], segments), is_checkpoint_format=True)
         repacked = _repack_cpu_moe(self.model_runner.get_model())
-        self._mrl_version = int(version)
-        return {"version": self._mrl_version, "tensors": len(spec["tensors"]), "moe_layers_repacked": repacked}
+        LOADED.update(version=int(version), tensors=len(spec["tensors"]), moe_layers_repacked=repacked)
+        return dict(LOADED)
 
     def mrl_weight_version(self) -> int:
-        return self._mrl_version
+        return -1 if LOADED["version"] is None else int(LOADED["version"])   # -1: finished, not committed
+
+    def mrl_loaded(self) -> dict[str, Any]:
+        """What the last update loaded here (version, tensors, MoE layers re-packed)."""
+        return dict(LOADED)
+
+    def mrl_commit_version(self, version: str) -> dict[str, Any]:
+        """After an update through vLLM's own GPU engines (which carry no version): record it."""
+        if LOADED.get("version") is not None:
+            raise RuntimeError(f"mrl_commit_version({version}): no finished update to commit")
+        LOADED["version"] = int(version)
+        return dict(LOADED)
+
+    def mrl_device_uuid(self) -> str:
+        """The physical GPU of this worker (the `ipc` backend keys its handles by it)."""
+        return str(torch.cuda.get_device_properties(self.device).uuid)
 
     def mrl_reseed(self, seed: str) -> int:
         """Re-seed the worker's sampling RNG (unseeded requests draw from it). This does not make

@@ -27,8 +27,8 @@ from ..rollout.supervisor import ServerSupervisor
 from ..tasks import LoadedTask
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
-from ..weights.sync import FanoutTransport
-from ..weights.transport_file import FileTransport
+from ..weights.sync import Transport
+from ..weights.transport_engine import make_transport
 from .data_order import DataOrder
 from .run_control import Stop
 from .setup import load_prompts, load_sft_tokens, require_eos
@@ -69,10 +69,10 @@ class Session:
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)
         self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
         self.servers: list[RolloutServer] = []
-        self.transports: list[FileTransport] = []
+        self.transports: list[Any] = []
         self.clients: list[RolloutClient] = []
         self.supervisors: list[ServerSupervisor] = []
-        self.transport: FileTransport | FanoutTransport | None = None
+        self.transport: Transport | None = None
         self.client: RolloutClient | MultiClient | None = None
 
     def _reference(self, recipe: Any) -> Actor:
@@ -107,14 +107,15 @@ class Session:
                                    extra_args=self.init.server_args)
             server.start()
             self.servers = [server]
-        self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
+        # One sender for all servers (write once / one broadcast); per server, what its supervisor re-sends.
+        self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
+                                                         r.sync_bucket_mb << 20)
         self.supervisors = [ServerSupervisor(s, t) for s, t in zip(self.servers, self.transports)]
         for transport, supervisor in zip(self.transports, self.supervisors):
             transport.supervise = supervisor.call
         self.clients = [RolloutClient.for_server(s, max_concurrency=r.max_concurrency, timeout_s=r.request_timeout_s,
                                                  max_retries=r.max_retries, on_failure=sup)
                         for s, sup in zip(self.servers, self.supervisors)]
-        self.transport = self.transports[0] if len(self.transports) == 1 else FanoutTransport(self.transports)
         self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)
 
     def sampling(self) -> SamplingSettings:

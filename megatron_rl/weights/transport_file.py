@@ -205,10 +205,14 @@ class FileTransport:
         self.latest, self.overwritten = (self.version, manifest, self.dir), False
         if not self.in_place:
             self.dir = None
-        result = self.supervise("the weight sync", self._load, self.version, manifest)
+        result = self._deliver(self.version, manifest)
         if not self.in_place and previous is not None:
             shutil.rmtree(previous[2], ignore_errors=True)
         return result
+
+    def _deliver(self, version: int, manifest: str) -> dict[str, Any]:
+        """Have the server(s) load the complete update."""
+        return self.supervise("the weight sync", self._load, version, manifest)
 
     def _load(self, version: int, manifest: str) -> dict[str, Any]:
         """pause → update → reset prefix cache → resume; redone from the start if the server died."""

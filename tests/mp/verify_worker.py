@@ -32,7 +32,7 @@ from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sync import sync_weights  # noqa: E402
-from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
+from megatron_rl.weights.transport_engine import SharedSegmentTransport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
@@ -40,7 +40,7 @@ from layouts_worker import LAYOUTS, make_batch  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class SwapRowsTransport(FileTransport):
+class SwapRowsTransport(SharedSegmentTransport):
     """Swaps the two row halves of one tensor on its way to the server: the kind of error a wrong
     tensor-parallel shard order makes."""
 
@@ -109,8 +109,9 @@ def main() -> None:
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     adapter, batch = adapter_for(hf), probe(hf["vocab_size"])
-    good = FileTransport(handle) if handle else None
-    bad = SwapRowsTransport(handle) if handle else None
+    # Through vLLM's weight-transfer routes (the `mrl_shm` engine), as a training run syncs.
+    good = SharedSegmentTransport([handle]) if handle else None
+    bad = SwapRowsTransport([handle]) if handle else None
     if bad:
         bad.corrupt = corrupt
     result: dict = {"stats": list(verification.STATS)}

@@ -1,0 +1,36 @@
+"""The trainer's end of vLLM's `nccl` weight-transfer engine (vLLM's own helpers; used by
+weights/transport_gpu.py, which keeps vLLM imports in rollout/)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PACKED_BUFFER_BYTES = 1 << 30
+"""vLLM's default packed-buffer geometry; the workers get the same in their init info."""
+PACKED_BUFFERS = 2
+
+
+def open_group(address: str, port: int, world_size: int, device: torch.device) -> Any:
+    """Rank 0 of the NCCL group the servers' workers join (PyNcclCommunicator on `device`)."""
+    from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+    with torch.cuda.device(device):
+        return stateless_init_process_group(address, port, 0, world_size, device)
+
+
+def broadcast(comm: Any, tensors: dict[str, torch.Tensor], device: torch.device, packed: bool) -> None:
+    """Send `tensors` (contiguous, on `device`) in order to every worker, as the engine's consumer
+    expects them (packed into buffers of the geometry above, or one by one)."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+    with torch.cuda.device(device):
+        if packed:
+            packed_nccl_broadcast_producer(iter(tensors.items()), comm, 0, lambda item: item[1],
+                                           PACKED_BUFFER_BYTES, PACKED_BUFFERS)
+            return
+        stream = torch.cuda.current_stream(device)
+        for t in tensors.values():
+            comm.broadcast(t, src=0, stream=stream)
+        stream.synchronize()

@@ -1,0 +1,214 @@
+"""GPU weight transports through vLLM's own engines: `nccl` (broadcast) and `ipc` (CUDA IPC).
+
+Both are driven by the same routes as the CPU backend (`transport_engine.EngineLink`), from global
+rank 0, which holds each part of a layer in full on its GPU after the gather (`sync_weights`).
+Every tensor is sent from `self.device`, the device given at construction (rank 0's own).
+
+- `nccl`: ONE NCCL group for all servers: the trainer is rank 0, the workers of server k follow
+  at `rank_offset` = 1 + the world sizes of servers 0..k-1 (`/get_world_size`), so every server
+  receives one broadcast of each part: one send for any number of servers. `/update_weights`
+  blocks until the broadcast completes, so it is posted on a thread per server, then the trainer
+  broadcasts (packed into vLLM's buffers, the same geometry as the workers' consumer).
+- `ipc`: colocated servers on rank 0's node. vLLM's workers rebuild each tensor from a CUDA IPC
+  handle on their own GPU (keyed by its UUID), so rank 0 copies each tensor once to every GPU a
+  worker uses (peer copies) and ships the handles, pickled: the server must run with
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 (`RolloutServer.environment`).
+
+Neither keeps a copy of the weights, so a restarted server cannot be brought back to them here:
+`resend_latest` raises (the run stops; resuming from the checkpoint syncs again).
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import torch
+
+from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, open_group
+from ..rollout.server import free_port
+from .transport_engine import EngineLink, EngineServer
+from .transport_file import one_result
+
+
+def _meta(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {"names": list(tensors), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()]}
+
+
+def world_size(server: EngineServer) -> int:
+    """Workers of a server across its data-parallel replicas (its ranks in the NCCL group)."""
+    resp = httpx.get(server.base_url + "/get_world_size", params={"include_dp": "true"}, timeout=60,
+                     headers={"Authorization": f"Bearer {server.token}"})
+    resp.raise_for_status()
+    return int(resp.json()["world_size"])
+
+
+def _on_threads(calls: Sequence[Callable[[], Any]], main: Callable[[], Any]) -> None:
+    """Run `calls` on threads while `main` runs here; re-raise the first error of any."""
+    errors: list[BaseException] = []
+
+    def wrap(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except BaseException as exc:     # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(c,), daemon=True) for c in calls]
+    for t in threads:
+        t.start()
+    try:
+        main()
+    finally:
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+
+
+class GpuLink(EngineLink):
+    """A server on a GPU transport: nothing to re-send after a restart."""
+
+    latest = None
+
+    def resend_latest(self) -> dict[str, Any] | None:
+        raise RuntimeError(f"{getattr(self.server, 'base_url', 'the server')} restarted; the GPU weight transports "
+                           "keep no copy of the weights to bring it back with. Resume the run from its checkpoint "
+                           "(or use rollout.weight_transfer: shm)")
+
+    def close(self) -> None:
+        pass
+
+
+class _GpuTransport:
+    def __init__(self, servers: Sequence[EngineServer], device: torch.device) -> None:
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"a GPU weight transport needs an explicit CUDA device, got {device}")
+        self.device = device
+        self.links = [GpuLink(s) for s in servers]
+        self.version = 0
+        self.sent: list[str] = []
+        self.connected_at: list[int] | None = None
+        """Each server's restart count when the engines were initialised."""
+
+    def begin(self, version: int) -> None:
+        if self.connected_at != [link.server.restarts for link in self.links]:
+            self._connect()
+            self.connected_at = [link.server.restarts for link in self.links]
+        self.version, self.sent = version, []
+        started: list[GpuLink] = []
+        try:
+            for link in self.links:
+                link.start()
+                started.append(link)
+        except BaseException:
+            for link in started:
+                link.server.post("/resume")
+            raise
+
+    def finish(self, names: list[str]) -> dict[str, Any]:
+        if sorted(self.sent) != sorted(names):
+            raise RuntimeError(f"weight update incomplete: {len(self.sent)} tensors sent, {len(names)} expected")
+        results = []
+        for link in self.links:
+            loaded = link.finish(self.version)
+            if loaded.get("tensors") != len(names):
+                raise RuntimeError(f"{link.server.base_url}: the workers loaded {loaded}, {len(names)} tensors sent")
+            results.append(one_result(link.server.rpc("mrl_commit_version", str(self.version))))
+        return {**results[0], "servers": len(results)}
+
+    def abort(self) -> None:
+        """Close the servers' updates so they serve again (with a mix of weights: the run is failing)."""
+        for link in self.links:
+            try:
+                link.finish(self.version)
+            except Exception:            # noqa: BLE001 - the original error matters more
+                pass
+
+    def _connect(self) -> None:
+        raise NotImplementedError
+
+
+class NcclTransport(_GpuTransport):
+    """vLLM's `nccl` engine: one broadcast from rank 0's GPU reaches every worker of every server."""
+
+    def __init__(self, servers: Sequence[EngineServer], device: torch.device, packed: bool = True,
+                 master_address: str | None = None) -> None:
+        super().__init__(servers, device)
+        self.packed = packed
+        self.master_address = master_address
+        self.comm: Any = None
+
+    def _connect(self) -> None:
+        if self.comm is not None:
+            for link in self.links:
+                link.server.post("/shutdown_weight_transfer_engine")
+            self.comm = None
+        sizes = [world_size(link.server) for link in self.links]
+        local = all(urlsplit(link.server.base_url).hostname in ("127.0.0.1", "localhost") for link in self.links)
+        address = self.master_address or ("127.0.0.1" if local else socket.gethostbyname(socket.gethostname()))
+        port = free_port("0.0.0.0")
+        common = {"master_address": address, "master_port": port, "world_size": 1 + sum(sizes), "packed": self.packed,
+                  "packed_buffer_size_bytes": PACKED_BUFFER_BYTES, "packed_num_buffers": PACKED_BUFFERS}
+        offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
+        calls = [partial(link.init_engine, {**common, "rank_offset": off}) for link, off in zip(self.links, offsets)]
+        result: list[Any] = []
+
+        _on_threads(calls, lambda: result.append(open_group(address, port, 1 + sum(sizes), self.device)))
+        self.comm = result[0]
+
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        local = {n: t.to(self.device).contiguous() for n, t in tensors.items()}
+        meta = _meta(local)
+        _on_threads([partial(link.update, meta) for link in self.links],
+                    partial(broadcast, self.comm, local, self.device, self.packed))
+        self.sent += meta["names"]
+
+
+class IpcTransport(_GpuTransport):
+    """vLLM's `ipc` engine: workers map rank 0's tensors (copied to their GPUs) by CUDA IPC handle."""
+
+    def __init__(self, servers: Sequence[EngineServer], device: torch.device) -> None:
+        super().__init__(servers, device)
+        self.targets: dict[str, torch.device] = {}
+        """GPU UUID → this process's device, for every GPU a worker uses."""
+
+    def _connect(self) -> None:
+        here = {str(torch.cuda.get_device_properties(i).uuid): torch.device("cuda", i)
+                for i in range(torch.cuda.device_count())}
+        wanted = {u for link in self.links for u in link.server.rpc("mrl_device_uuid")}
+        missing = wanted - set(here)
+        if missing:
+            raise RuntimeError(f"rollout.weight_transfer 'ipc': the servers' GPUs {sorted(missing)} are not visible to "
+                               "trainer rank 0; ipc needs the servers colocated on its node (else use nccl)")
+        self.targets = {u: here[u] for u in sorted(wanted)}
+        for link in self.links:
+            link.init_engine({"packed": False})
+
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        meta = _meta(tensors)
+        copies: list[torch.Tensor] = []          # alive until every server has loaded them
+        handles: list[dict[str, Any]] = []
+        for t in tensors.values():
+            per_gpu = {}
+            for uuid, dev in self.targets.items():
+                c = t.to(dev).contiguous()
+                copies.append(c)
+                per_gpu[uuid] = reduce_tensor(c)[1]
+            handles.append(per_gpu)
+        for dev in set(self.targets.values()):
+            torch.cuda.synchronize(dev)          # the copies are complete before a worker reads them
+        payload = {**meta, "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}
+        for link in self.links:
+            link.update(payload)
+        self.sent += meta["names"]
+        del copies

@@ -1,0 +1,78 @@
+"""vLLM's GPU weight-transfer engines driven by the trainer's transports (`rollout.weight_transfer`
+nccl and ipc; weights/transport_gpu.py): new weights sent from `cuda:0` reach a real vLLM server on
+the GPU, and its log-probs then equal transformers' float64 log-probs of those weights (fp32 on
+both sides, no TF32: tolerance 2e-3). `nccl` needs a second GPU (NCCL refuses two ranks on one
+device): the server runs on GPU 1. `ipc` shares the trainer's GPU 0 with the server.
+
+Run inside the container image on a GPU node (README, "Weight sync"):
+    apptainer exec --nv --pwd /opt/megatron-rl megatron-rl.sif \
+        python -m pytest -m gpu tests/gpu/test_weight_transfer_gpu.py -v
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.weights.hf_io import HFCheckpointReader
+from megatron_rl.weights.transport_engine import make_transport
+from tests.rollout_fixtures import TINY_MOE, start_server, tiny_model_with_tokenizer
+
+pytestmark = pytest.mark.gpu
+TOLERANCE = 2e-3
+
+
+def _hf_logprobs(model_dir: Path, state: dict[str, torch.Tensor], sequences: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.weights.hf_io import HFCheckpointWriter
+
+    work = model_dir.parent / "reference"
+    writer = HFCheckpointWriter(work)
+    writer.add_many(list(state.items()))
+    writer.finish(side_files_from=str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            out.append(logp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_gpu_backend_syncs_new_weights_into_a_cuda_server(backend: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    if backend == "nccl":
+        if torch.cuda.device_count() < 2:
+            pytest.fail("the nccl test needs 2 GPUs (NCCL refuses two ranks on one device)")
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")     # the server's environment only
+    model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model", seed=4)
+    reader = HFCheckpointReader(str(model))
+    g = torch.Generator().manual_seed(7)
+    new = {n: reader.get(n) + 0.05 * torch.randn(reader.get(n).shape, generator=g) for n in reader.names()}
+    sequences = [[5, 9, 17, 33, 65, 3, 7, 11, 13, 19], [2, 4, 8, 16, 32, 64, 128, 200, 100, 50]]
+    expected = _hf_logprobs(model, new, sequences)
+    server = start_server(model, tmp_path / "run", gpu_memory_utilization=0.3, weight_transfer=backend)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    device = torch.device("cuda", 0)
+    transport, links = make_transport(backend, [server], None, 64 << 20, device)   # type: ignore[arg-type]
+    try:
+        transport.begin(1)
+        names = sorted(new)
+        for start in range(0, len(names), 7):           # a few tensors per hand-over, like layer parts
+            transport.send_bucket({n: new[n].to(device) for n in names[start:start + 7]})
+        result = transport.finish(names)
+        assert result["version"] == 1 and result["tensors"] == len(names), result
+        assert server.rpc("mrl_weight_version") == ["1"]
+        got = RolloutClient.for_server(server).prompt_logprobs(sequences)
+        worst = max((torch.tensor(a, dtype=torch.float64) - b).abs().max().item() for a, b in zip(got, expected))
+        assert worst <= TOLERANCE, worst
+    finally:
+        for link in links:
+            link.close()
+        server.stop()
