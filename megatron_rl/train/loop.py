@@ -51,6 +51,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             indices = session.order.next_indices(prompts_per_step)
             with timed(timings, "rollout"):
                 groups = _rollout(session, indices, step)
+                session.sleep_servers()
             with timed(timings, "reward"):
                 task_metrics = score_groups(groups, task, _decoder(session))
                 scored = build_batch(groups, seq_len, pad)
@@ -75,6 +76,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             if bad_in_row >= t.max_bad_steps_in_row:
                 raise Stop(f"{bad_in_row} steps in a row had a non-finite loss or gradient; stopping")
             with timed(timings, "sync"):
+                session.wake_servers()
                 extra = session.sync()
                 if r.verify_every and session.version % r.verify_every == 0:
                     extra.update(session.verify(probe))

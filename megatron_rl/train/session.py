@@ -42,6 +42,7 @@ from ..weights.sync import FanoutTransport, sync_weights
 from ..weights.transport_file import FileTransport
 from . import verification
 from .data_order import DataOrder
+from .placement import start_node_servers
 from .setup import load_prompts, load_sft_tokens, require_eos
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
@@ -85,6 +86,8 @@ class Session:
         self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
         self.version = 0
         self.servers: list[RolloutServer] = []
+        self.own_server: RolloutServer | None = None
+        """The server this process started (each node's first rank starts its node's)."""
         self.transports: list[FileTransport] = []
         self.clients: list[RolloutClient] = []
         self.supervisors: list[ServerSupervisor] = []
@@ -103,30 +106,30 @@ class Session:
 
     # ------------------------------------------------------------------ rollout server
     def start_server(self) -> None:
-        """Our own server on this node, or — when the sbatch script started servers on rollout
-        nodes — every server listed under $MEGATRON_RL_ROLLOUT_SERVERS (`*/rollout/server.json`)."""
-        if not self.rank0:
-            return
-        freed = remove_stale_shm()
-        if freed:
-            print(f"[rollout] removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs", flush=True)
+        """Collective. One server per trainer node, started by that node's first rank (`placement`),
+        or — when the sbatch script started servers on rollout nodes — every server listed under
+        $MEGATRON_RL_ROLLOUT_SERVERS (`*/rollout/server.json`). Rank 0 drives them all."""
         r = self.cfg.rollout
         external = os.environ.get(EXTERNAL_SERVERS_ENV)
-        sync_root = None
+        if not external:
+            self.own_server, self.servers = start_node_servers(self.cfg, self.run_dir, self.hf_dir,
+                                                               self.init.server_args)
+        if not self.rank0:
+            return
         if external:
+            freed = remove_stale_shm()
+            if freed:
+                print(f"[rollout] removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs", flush=True)
             found = sorted(Path(external).glob("*/rollout/server.json"))
             if not found:
                 raise Stop(f"${EXTERNAL_SERVERS_ENV}={external}: no */rollout/server.json there")
             self.servers = [RolloutServer.attach(p.parent.parent, r) for p in found]
-            sync_root = self.run_dir / "rollout" / "sync"       # shared with the rollout nodes
             print(f"[rollout] using {len(self.servers)} external server(s): "
                   + ", ".join(s.base_url for s in self.servers), flush=True)
-        else:
-            server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length,
-                                   extra_args=self.init.server_args)
-            server.start()
-            self.servers = [server]
-        self.transports = [FileTransport(s, sync_root, r.sync_bucket_mb << 20) for s in self.servers]
+        # Rank 0's own server reads the weights from this node's /dev/shm; any other server from
+        # the run dir, which every node sees.
+        roots = [None if s is self.own_server else self.run_dir / "rollout" / "sync" for s in self.servers]
+        self.transports = [FileTransport(s, root, r.sync_bucket_mb << 20) for s, root in zip(self.servers, roots)]
         self.supervisors = [ServerSupervisor(s, t) for s, t in zip(self.servers, self.transports)]
         for transport, supervisor in zip(self.transports, self.supervisors):
             transport.supervise = supervisor.call
@@ -135,6 +138,22 @@ class Session:
                         for s, sup in zip(self.servers, self.supervisors)]
         self.transport = self.transports[0] if len(self.transports) == 1 else FanoutTransport(self.transports)
         self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)
+
+    def sleep_servers(self) -> None:
+        """After the rollout, when the recipe asks (rollout.sleep_level): the servers give their
+        GPU memory back while the trainer computes log-probs and trains."""
+        level = self.cfg.rollout.sleep_level
+        if level is None or not self.rank0:
+            return
+        for server, supervisor in zip(self.servers, self.supervisors):
+            supervisor.call(f"sleep (level {level})", server.sleep, level)
+
+    def wake_servers(self) -> None:
+        """Before the weight sync: a level-2 sleep dropped the weights, which the sync refills."""
+        if self.cfg.rollout.sleep_level is None or not self.rank0:
+            return
+        for server, supervisor in zip(self.servers, self.supervisors):
+            supervisor.call("wake-up", server.wake_up)
 
     def sampling(self) -> SamplingSettings:
         r = self.cfg.rollout
@@ -233,6 +252,8 @@ class Session:
             transport.close()
         for server in self.servers:
             server.stop()                                    # a no-op for external servers
+        if self.own_server is not None:
+            self.own_server.stop()
 
 
 def _load_init(actor: Actor, path: str) -> None:
