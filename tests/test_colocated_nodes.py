@@ -67,12 +67,12 @@ def test_one_server_per_node_rank0_generates_syncs_and_verifies_across_both(tmp_
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["sync/verify_max_abs_diff"] <= 1e-4 for r in rows)       # over both servers' log-probs
     syncs = STEPS + 1                                                      # the start-up sync + one per step
-    for log in (s / "server.log" for s in servers):
-        got = requests_by_route(log)
+    for server_log in (s / "server.log" for s in servers):
+        got = requests_by_route(server_log)
         # Every server: its share of each step's prompts (and the verification probes), every
         # weight update (pause → update → resume), a sleep and a wake-up per step.
-        assert got.get("/v1/completions", 0) >= STEPS, (log, got)
-        assert (got.get("/pause"), got.get("/resume")) == (syncs, syncs), (log, got)
-        assert (got.get("/sleep"), got.get("/wake_up")) == (STEPS, STEPS), (log, got)
+        assert got.get("/v1/completions", 0) >= STEPS, (server_log, got)
+        assert (got.get("/pause"), got.get("/resume")) == (syncs, syncs), (server_log, got)
+        assert (got.get("/sleep"), got.get("/wake_up")) == (STEPS, STEPS), (server_log, got)
     # Node 0's server reads rank 0's /dev/shm; node 1's the run dir, which real nodes share.
     assert (run / "rollout" / "sync").is_dir()

@@ -26,7 +26,7 @@ from megatron_rl.train.placement import (
 from tests.rollout_fixtures import REPO
 
 
-def publish(run: Path, node: int, info: dict, name: str = "server.json") -> None:
+def publish(run: Path, node: int, info: dict | str, name: str = "server.json") -> None:
     where = node_dir(run, node) / "rollout"
     where.mkdir(parents=True, exist_ok=True)
     (where / name).write_text(json.dumps(info) if name == "server.json" else str(info))

