@@ -248,19 +248,30 @@ def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
 @rule("rollout-server-fits-a-node")
 def _server_per_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
-    # vLLM is started once per node (the sbatch script's rollout step, or the trainer's rank 0):
-    # nothing launches one server across nodes. A CPU job (no GPUs) has nothing to count.
+    # vLLM is started once per node (the sbatch script's rollout step, or each trainer node's first
+    # rank): nothing launches one server across nodes. A CPU job (no GPUs) has nothing to count.
     r, gpus = cfg.rollout, gpus_per_node(cfg)
     size = r.tensor_parallel_size * r.data_parallel_size
     if gpus and size > gpus:
         return [Finding("error", "rollout-server-fits-a-node", "rollout.data_parallel_size",
-                        f"one vLLM server of TP {r.tensor_parallel_size} × DP {r.data_parallel_size} = {size} "
-                        f"GPUs does not fit a node of {gpus} GPUs; servers run one per node (no multi-node "
-                        "server), so TP × DP must be <= the GPUs per node")]
+                        f"one vLLM server of rollout.tensor_parallel_size {r.tensor_parallel_size} × "
+                        f"rollout.data_parallel_size {r.data_parallel_size} = {size} GPUs does not fit a node of "
+                        f"{gpus} GPUs (slurm.gpus_per_node, else parallelism.gpus_per_node); servers run one per "
+                        f"node ({r.placement}), so TP × DP must be <= {gpus}")]
     if gpus and r.placement == "disaggregated" and size < gpus:
         return [Finding("warning", "rollout-server-fits-a-node", "rollout.data_parallel_size",
                         f"each rollout node starts one server of TP × DP = {size} GPUs; {gpus - size} of its "
                         f"{gpus} GPUs stay idle (make TP × DP = parallelism.gpus_per_node)")]
+    return []
+
+
+@rule("sleep-needs-colocation")
+def _sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    r = cfg.rollout
+    if r.sleep_level is not None and r.placement == "disaggregated":
+        return [Finding("warning", "sleep-needs-colocation", "rollout.sleep_level",
+                        f"{r.sleep_level}: the servers have nodes of their own, so sleeping frees no memory "
+                        "the trainer could use and costs a wake-up every step (set it to null)")]
     return []
 
 

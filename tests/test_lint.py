@@ -66,7 +66,7 @@ def test_rollout_server_must_fit_one_node() -> None:
     rule = "rollout-server-fits-a-node"
     (msg,) = findings("grpo.yaml", gpu_job, "rollout.tensor_parallel_size=2")[rule]
     assert msg.startswith("error|rollout.data_parallel_size|")
-    assert "TP 2 × DP 1 = 2 GPUs does not fit a node of 1" in msg
+    assert "rollout.tensor_parallel_size 2 × rollout.data_parallel_size 1 = 2 GPUs does not fit a node of 1" in msg
     assert rule not in findings("grpo.yaml", gpu_job, "rollout.tensor_parallel_size=2",
                                 "parallelism.gpus_per_node=2", "trainer.global_batch_size=256")
     # A CPU job (slurm.gpus_per_node 0, as the tiny recipes set) has no GPUs to count.
@@ -156,6 +156,15 @@ def test_a_rollout_server_must_fit_one_node() -> None:
                      "rollout.nodes=1")
     assert [m.split("|")[0] for m in spare[rule]] == ["warning"]            # 1 of 2 GPUs idle
     assert rule not in findings("grpo.yaml", gpu_job, "parallelism.gpus_per_node=2")  # colocated: the rest trains
+
+
+def test_sleeping_servers_of_their_own_nodes_is_a_warning() -> None:
+    rule = "sleep-needs-colocation"
+    (msg,) = findings("grpo.yaml", "rollout.placement=disaggregated", "rollout.nodes=1",
+                      "rollout.sleep_level=1")[rule]
+    assert msg.startswith("warning|rollout.sleep_level|1: the servers have nodes of their own")
+    assert rule not in findings("grpo.yaml", "rollout.sleep_level=1")                  # colocated
+    assert rule not in findings("grpo.yaml", "rollout.placement=disaggregated", "rollout.nodes=1")
 
 
 def test_unknown_reward_name_lists_known_ones() -> None:

@@ -293,7 +293,8 @@ def test_published_64_gpu_qwen3_235b_layout_fits() -> None:
     # sequence parallelism, PP 4, CP 2, EP 16, ETP 1, full recompute (uniform, 1 layer), CPU Adam
     # (--optimizer-cpu-offload), fp32 grad accumulation, --max-tokens-per-gpu 16384 (= one
     # 32768-token micro-batch over CP 2), global batch 64, no KL (no reference model); the SGLang
-    # rollout runs on 64 further GPUs (modelled here as a disaggregated vLLM TP8 DP4).
+    # rollout runs on 64 further GPUs, one TP 8 engine per node (--rollout-num-gpus-per-engine 8;
+    # modelled here as 8 disaggregated vLLM servers of TP 8, one per node, as the job starts them).
     cfg = _recipe(Q235, model={"reference": "none"},
                   parallelism=dict(nodes=8, tensor_model_parallel_size=4, sequence_parallel=True,
                                    pipeline_model_parallel_size=4, context_parallel_size=2,
@@ -301,8 +302,8 @@ def test_published_64_gpu_qwen3_235b_layout_fits() -> None:
                                    recompute_granularity="full", recompute_method="uniform",
                                    recompute_num_layers=1, optimizer_cpu_offload=True),
                   rollout=dict(placement="disaggregated", nodes=8, tensor_parallel_size=8,
-                               data_parallel_size=4, enable_expert_parallel=True,
-                               gpu_memory_utilization=0.7, max_prompt_length=1024,
+                               data_parallel_size=1, enable_expert_parallel=True,
+                               gpu_memory_utilization=0.9, max_prompt_length=1024,
                                max_response_length=31744),
                   trainer=dict(global_batch_size=64, micro_batch_size=1),
                   algorithm=dict(name="gspo", steps_per_generation=2))

@@ -43,8 +43,8 @@ def test_tiny_recipes_pass_with_their_files(capsys: pytest.CaptureFixture[str], 
      "the 16 data-parallel ranks; use a multiple of 16"),
     # The 235B rollout before its fix: one server over 32 GPUs.
     ("recipes/qwen3_235b_a22b/grpo.yaml", ["rollout.data_parallel_size=8"],
-     "[rollout-server-fits-a-node] rollout.data_parallel_size: one vLLM server of TP 4 × DP 8 = 32 GPUs does "
-     "not fit a node of 8 GPUs"),
+     "[rollout-server-fits-a-node] rollout.data_parallel_size: one vLLM server of rollout.tensor_parallel_size 4 "
+     "× rollout.data_parallel_size 8 = 32 GPUs does not fit a node of 8 GPUs"),
     ("recipes/qwen3_235b_a22b/grpo.yaml", ["parallelism.optimizer_cpu_offload=false"],
      "[fit] parallelism: DOES NOT FIT: margin"),
     ("recipes/qwen3_235b_a22b/grpo.yaml", ["trainer.global_batch_size=500"],

@@ -141,10 +141,21 @@ def test_rendered_steps_start_what_the_plan_counts(recipe: Path, tmp_path: Path)
         assert sorted(c["node"] for c in servers) == nodes[train_nodes:]
         assert len(servers) == rollout["servers"] and len(servers) * step_gpus == rollout["gpus"]
         assert rollout["tp"] * rollout["dp"] == step_gpus
+        assert {tuple(train_args(c)[1:]) for c in torchrun} == {("--resume",)}     # the servers' hosts come from them
     else:
-        # Colocated: the trainer starts its server on its first node, inside the node's GPUs.
-        assert servers == [] and rollout["tp"] * rollout["dp"] <= gpus_per_node
+        # Colocated: each trainer node's first rank starts that node's server (train/placement.py),
+        # listening on the node's name so that rank 0 reaches it: the plan's servers, TP × DP GPUs each.
+        assert servers == [] and rollout["servers"] == train_nodes
+        assert rollout["tp"] * rollout["dp"] == gpus_per_node and rollout["gpus"] == train_nodes * gpus_per_node
+        assert [(c["node"], train_args(c)[1:]) for c in torchrun] == \
+            [(n, [f"rollout.host={n}", "--resume"]) for n in nodes[:train_nodes]]
     assert train_nodes + (len(servers) if servers else 0) == len(nodes)
+
+
+def train_args(call: dict) -> list[str]:
+    """What `megatron-rl train` gets on one node: the recipe, then overrides and flags."""
+    argv = call["argv"]
+    return argv[argv.index("train") + 1:]
 
 
 def test_a_server_spanning_nodes_is_a_lint_error_and_a_plan_mismatch(tmp_path: Path) -> None:
@@ -160,4 +171,16 @@ def test_a_server_spanning_nodes_is_a_lint_error_and_a_plan_mismatch(tmp_path: P
     out = io.StringIO()
     with redirect_stdout(out):
         cli_main(["plan", str(recipe), "rollout.data_parallel_size=8", "--json"])
-    assert json.loads(out.getvalue())["rollout"]["servers"] == 1       # ... while the job would start 4
+    rollout = json.loads(out.getvalue())["rollout"]
+    assert (rollout["servers"], rollout["fits"]) == (0, False)          # the plan refuses it too
+    assert "32 GPUs does not fit a node of 8" in rollout["problem"]
+
+
+def test_colocated_plan_counts_one_server_per_trainer_node() -> None:
+    """A server smaller than a node: still one per node (the rest of the node's GPUs only train)."""
+    recipe = REPO / "recipes" / "qwen3_next_80b_a3b" / "grpo.yaml"
+    out = io.StringIO()
+    with redirect_stdout(out):
+        cli_main(["plan", str(recipe), "rollout.data_parallel_size=2", "--json"])
+    rollout = json.loads(out.getvalue())["rollout"]
+    assert (rollout["servers"], rollout["tp"], rollout["dp"], rollout["gpus"]) == (8, 2, 2, 32)

@@ -55,7 +55,7 @@ def _non_loopback_listeners(trainer_pid: int, run: Path) -> set[str]:
 
     roots = [trainer_pid]
     try:
-        roots.append(json.loads((run / "rollout" / "server.json").read_text())["pid"])
+        roots.append(json.loads((run / "rollout" / "node_0" / "rollout" / "server.json").read_text())["pid"])
     except (OSError, ValueError):
         pass
     found = set()
@@ -139,7 +139,7 @@ def test_kill_and_resume_continues_the_uninterrupted_run(tmp_path: Path) -> None
     os.killpg(proc.pid, signal.SIGKILL)                        # the trainer only: its server has its own group
     proc.wait()
     assert marker.is_file()
-    server_pid = json.loads((tmp_path / "killed" / "rollout" / "server.json").read_text())["pid"]
+    server_pid = json.loads((tmp_path / "killed" / "rollout" / "node_0" / "rollout" / "server.json").read_text())["pid"]
     assert _gone(server_pid, within_s=30)                      # no orphaned server keeps running
     before = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     run = run_train("grpo.yaml", tmp_path, "killed", *common, "--resume")

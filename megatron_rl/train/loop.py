@@ -115,6 +115,7 @@ def learn(session: Session, task: LoadedTask, step: int, version: int, timings: 
     indices = session.order.next_indices(session.prompts_per_step)
     with timed(timings, "rollout"):
         groups = rollout(session, indices, step, version)
+        session.sleep_servers()
     with timed(timings, "reward"):
         scores = score_groups(groups, task, _decoder(session))
         scored = build_batch(groups, scores, seq_len, pad)
@@ -134,6 +135,7 @@ def publish(session: Session, task: LoadedTask, step: int, version: int, probe: 
     evaluate every `evaluation.interval` steps; returns their metrics (collective)."""
     cfg = session.cfg
     with timed(timings, "sync"):
+        session.wake_servers()
         extra = sync_phase.sync_metrics(sync_phase.push_weights(session, version))
         if cfg.rollout.verify_every and version % cfg.rollout.verify_every == 0:
             extra.update(sync_phase.verify(session, probe, version))

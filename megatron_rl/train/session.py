@@ -30,6 +30,7 @@ from ..weights.loading import load_hf_into_model
 from ..weights.sync import Transport
 from ..weights.transport_engine import make_transport
 from .data_order import DataOrder
+from .placement import start_node_servers
 from .run_control import Stop
 from .setup import load_prompts, load_sft_tokens, require_eos
 
@@ -69,6 +70,8 @@ class Session:
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)
         self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
         self.servers: list[RolloutServer] = []
+        self.own_server: RolloutServer | None = None
+        """The server this process started (each node's first rank starts its node's)."""
         self.transports: list[Any] = []
         self.clients: list[RolloutClient] = []
         self.supervisors: list[ServerSupervisor] = []
@@ -84,30 +87,30 @@ class Session:
 
     # ------------------------------------------------------------------ rollout server
     def start_server(self) -> None:
-        """Our own server on this node, or — when the sbatch script started servers on rollout
-        nodes — every server listed under $MEGATRON_RL_ROLLOUT_SERVERS (`*/rollout/server.json`)."""
-        if not self.rank0:
-            return
-        freed = remove_stale_shm()
-        if freed:
-            print(f"[rollout] removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs", flush=True)
+        """Collective. One server per trainer node, started by that node's first rank (`placement`),
+        or — when the sbatch script started servers on rollout nodes — every server listed under
+        $MEGATRON_RL_ROLLOUT_SERVERS (`*/rollout/server.json`). Rank 0 drives them all."""
         r = self.cfg.rollout
         external = os.environ.get(EXTERNAL_SERVERS_ENV)
-        sync_root = None
+        if not external:
+            self.own_server, self.servers = start_node_servers(self.cfg, self.run_dir, self.hf_dir,
+                                                               self.init.server_args)
+        if not self.rank0:
+            return
         if external:
+            freed = remove_stale_shm()
+            if freed:
+                print(f"[rollout] removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs", flush=True)
             found = sorted(Path(external).glob("*/rollout/server.json"))
             if not found:
                 raise Stop(f"${EXTERNAL_SERVERS_ENV}={external}: no */rollout/server.json there")
             self.servers = [RolloutServer.attach(p.parent.parent, r) for p in found]
-            sync_root = self.run_dir / "rollout" / "sync"       # shared with the rollout nodes
             print(f"[rollout] using {len(self.servers)} external server(s): "
                   + ", ".join(s.base_url for s in self.servers), flush=True)
-        else:
-            server = RolloutServer(self.hf_dir, self.run_dir, r, r.max_prompt_length + r.max_response_length,
-                                   extra_args=self.init.server_args)
-            server.start()
-            self.servers = [server]
-        # One sender for all servers (write once / one broadcast); per server, what its supervisor re-sends.
+        # One sender for all servers (write once / one broadcast); per server, what its supervisor
+        # re-sends. A lone server on this node reads /dev/shm; several (other nodes) read the run dir.
+        lone = len(self.servers) == 1 and self.servers[0] is self.own_server
+        sync_root = None if lone else self.run_dir / "rollout" / "sync"
         self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
                                                          r.sync_bucket_mb << 20)
         self.supervisors = [ServerSupervisor(s, t) for s, t in zip(self.servers, self.transports)]
@@ -117,6 +120,22 @@ class Session:
                                                  max_retries=r.max_retries, on_failure=sup)
                         for s, sup in zip(self.servers, self.supervisors)]
         self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)
+
+    def sleep_servers(self) -> None:
+        """After the rollout, when the recipe asks (rollout.sleep_level): the servers give their
+        GPU memory back while the trainer computes log-probs and trains."""
+        level = self.cfg.rollout.sleep_level
+        if level is None or not self.rank0:
+            return
+        for server, supervisor in zip(self.servers, self.supervisors):
+            supervisor.call(f"sleep (level {level})", server.sleep, level)
+
+    def wake_servers(self) -> None:
+        """Before the weight sync: a level-2 sleep dropped the weights, which the sync refills."""
+        if self.cfg.rollout.sleep_level is None or not self.rank0:
+            return
+        for server, supervisor in zip(self.servers, self.supervisors):
+            supervisor.call("wake-up", server.wake_up)
 
     def sampling(self) -> SamplingSettings:
         r = self.cfg.rollout
@@ -133,6 +152,8 @@ class Session:
             transport.close()
         for server in self.servers:
             server.stop()                                    # a no-op for external servers
+        if self.own_server is not None:
+            self.own_server.stop()
 
 
 def _load_init(actor: Actor, path: str) -> None:
