@@ -1,0 +1,168 @@
+"""torchrun worker: routes recorded in one forward are replayed exactly under parallel layouts.
+
+Run as `torchrun --nproc-per-node 2 tests/mp/routing_replay_worker.py HF_DIR OUT_JSON`.
+
+1. TP1 (DP 2): an unreplayed forward of the tiny MoE; every router logs the ids it used; the test
+   places them back at (row, position, layer) with its own map of the layout (DP rows, SP slices,
+   s-major order, PP layers) and sums over ranks: the recorded routes [N, L, layers, topk] (uint8).
+2. At TP1, TP2/SP+EP2 (ETP1) and PP2: the router weights are perturbed (the same noise on every
+   rank), then the batch is scored (a) with the routes but without replay, (b) with replay, and (c)
+   trained on for one step with replay. Each forward's logged ids are placed back the same way.
+Rank 0 writes, per layout, how many (token, layer) rows differ from the recorded ones in each
+forward, the metric the actor reported, and how the tokens without a recorded route were routed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+from megatron_rl.megatron import cpu_compat  # noqa: E402
+
+cpu_compat.apply()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+
+from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
+from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from tests.mp.layouts_worker import make_batch  # noqa: E402
+
+LAYOUTS = {
+    "tp1": ParallelLayout(),
+    "tp2_sp_ep2": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True,
+                                 expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+    "pp2": ParallelLayout(pipeline_model_parallel_size=2),
+}
+MBS = 2
+ROWS, LENGTH = 8, 24
+
+
+def build(hf_dir: str, layout: ParallelLayout) -> Actor:
+    init_parallel(layout, seed=1234)
+    hf = read_hf_config(hf_dir)
+    recipe = build_model_recipe(hf, layout, torch.float32)
+    actor = Actor(recipe, MBS, Training(TrainerConfig(lr=1e-3, clip_grad=1.0), layout, total_updates=10))
+    load_hf_into_model(actor.model, hf_dir)
+    actor.optimizer.reload_model_params()
+    assert actor.routing is not None and actor.replay_routes
+    return actor
+
+
+def start_logs(actor: Actor) -> None:
+    assert actor.routing is not None
+    for r in actor.routing.routers:
+        r.log = []
+
+
+def placed(actor: Actor, num_layers: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's logged ids at their (row, position, layer), summed over ranks, and how many
+    ranks filled each place (must be exactly 1). The map is the test's own, not the actor's."""
+    assert actor.routing is not None
+    out = torch.zeros(ROWS, LENGTH, num_layers, topk, dtype=torch.long)
+    filled = torch.zeros(ROWS, LENGTH, num_layers, dtype=torch.long)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    per_rank = ROWS // dp
+    s_local = LENGTH // tp if actor.config.sequence_parallel else LENGTH
+    p0 = tp_rank * s_local if actor.config.sequence_parallel else 0
+    owner = actor.config.sequence_parallel or tp_rank == 0        # without SP, TP ranks route the same rows
+    for r in actor.routing.routers:
+        assert r.log is not None and len(r.log) == per_rank // MBS, (len(r.log or []), per_rank)
+        for i, ids in enumerate(r.log):
+            rows = slice(dp_rank * per_rank + i * MBS, dp_rank * per_rank + (i + 1) * MBS)
+            grid = ids.view(s_local, MBS, topk).transpose(0, 1)          # s-major then b
+            if owner:
+                out[rows, p0:p0 + s_local, r.layer_number - 1] = grid.sort(dim=-1).values
+                filled[rows, p0:p0 + s_local, r.layer_number - 1] += 1
+        r.log = None
+    dist.all_reduce(out)
+    dist.all_reduce(filled)
+    return out, filled
+
+
+def perturb_routers(actor: Actor, scale: float) -> None:
+    """The same noise on every rank (router weights are replicated): seeded by the layer."""
+    for m in unwrap(actor.model).modules():
+        if hasattr(m, "router_replay") and hasattr(m, "weight"):
+            g = torch.Generator().manual_seed(100 + int(m.layer_number))
+            noise = torch.randn(m.weight.shape, generator=g) * scale * float(m.weight.float().std())
+            with torch.no_grad():
+                m.weight.add_(noise.to(m.weight.device, m.weight.dtype))
+
+
+def record(hf_dir: str, num_layers: int, topk: int) -> torch.Tensor:
+    actor = build(hf_dir, LAYOUTS["tp1"])
+    batch = make_batch(512, ROWS, LENGTH)
+    start_logs(actor)
+    actor.compute_logprobs(batch, temperature=1.0)
+    routes, filled = placed(actor, num_layers, topk)
+    assert bool((filled == 1).all()), "every (row, position, layer) routed exactly once"
+    return routes
+
+
+def differ(got: torch.Tensor, want: torch.Tensor, where: torch.Tensor) -> int:
+    return int(((got != want).any(dim=-1) & where.unsqueeze(-1)).sum())
+
+
+def run_layout(hf_dir: str, name: str, routes: torch.Tensor, valid: torch.Tensor) -> dict:
+    num_layers, topk = routes.shape[2], routes.shape[3]
+    actor = build(hf_dir, LAYOUTS[name])
+    perturb_routers(actor, scale=3.0)
+    batch = make_batch(512, ROWS, LENGTH)
+    batch.routes, batch.routes_valid = routes.to(torch.uint8), valid
+    res: dict = {}
+    for mode, replay in (("no_replay", False), ("replay", True)):
+        start_logs(actor)
+        old = actor.compute_logprobs(batch, temperature=1.0, replay=replay)
+        got, filled = placed(actor, num_layers, topk)
+        res[mode] = {"differ_valid": differ(got, routes, valid), "metric": actor.routing_metrics,
+                     "filled_once": bool((filled == 1).all()), "logprob_sum": float(old.sum())}
+        if mode == "no_replay":
+            live = got
+        else:
+            # Tokens without a route are routed live; at the first layer the router's input does not
+            # depend on replay, so they equal the unreplayed forward's choice there.
+            res[mode]["invalid_first_layer_differ_live"] = differ(got[:, :, :1], live[:, :, :1], ~valid)
+            res[mode]["invalid_first_layer_differ_recorded"] = differ(got[:, :, :1], routes[:, :, :1], ~valid)
+    batch.old_logprobs = old
+    batch.ref_logprobs = old.clone()
+    start_logs(actor)
+    metrics = actor.train_step(batch, AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28), "grpo",
+                               temperature=1.0, rl_step=0)
+    got, filled = placed(actor, num_layers, topk)
+    res["train"] = {"differ_valid": differ(got, routes, valid), "filled_once": bool((filled == 1).all()),
+                    "metric": metrics.get("routing/mismatch_frac"), "loss": metrics["loss/total"]}
+    res["valid_tokens"] = int(valid.sum()) * num_layers
+    return res
+
+
+def main() -> None:
+    hf_dir, out = sys.argv[1], sys.argv[2]
+    hf = read_hf_config(hf_dir)
+    num_layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
+    routes = record(hf_dir, num_layers, topk)
+    # Recorded like vLLM's: T − 1 rows per sequence (the last token is never forwarded); one row
+    # also lost its routes after position 15 (e.g. a server-side cut).
+    valid = torch.ones(ROWS, LENGTH, dtype=torch.bool)
+    valid[:, -1] = False
+    valid[3, 16:] = False
+    result = {"recorded_experts_used": sorted(set(routes.unique().tolist()))}
+    for name in LAYOUTS:
+        result[name] = run_layout(hf_dir, name, routes, valid)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
