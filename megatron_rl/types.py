@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -20,6 +21,9 @@ class Sample:
     finish_reason: str = ""
     weight_version: int = 0
     """Version of the policy weights the server generated with."""
+    routed_experts: np.ndarray | None = None
+    """[prompt_len + gen_len − 1, num_hidden_layers, topk] expert ids when routes are recorded
+    (`rollout.routing_replay`; `rollout/routes.py`)."""
 
 
 @dataclass

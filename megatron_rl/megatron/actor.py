@@ -126,9 +126,7 @@ class Actor:
         self.routing = RoutingReplay(model, self.config) if self.config.num_moe_experts else None
         self.replay_routes = routing_replay_default(self.trainable) if replay_routes is None else replay_routes
         self.routing_metrics: dict[str, float] = {}
-        """Routing counts of the last `compute_logprobs` that had routes (`routing/...`)."""
-        self.routing_per_layer = False
-        """Also report `routing/mismatch_frac/layer_<i>` (the recipe asks for it)."""
+        """Routing counts of the last `compute_logprobs` that had routes (`routing/...`, per layer too)."""
         if training is not None:
             p = training.parallelism
             model = DistributedDataParallel(config=self.config, ddp_config=ddp_config(p), module=model)
@@ -302,7 +300,7 @@ class Actor:
             reports = self._run(mbs, loss_for, forward_only=True,
                                 replay=self.replay_routes if replay is None else replay)
         if self.routing is not None and batch.routes is not None:
-            self.routing_metrics = self.routing.take_metrics(self.config.num_layers, self.routing_per_layer)
+            self.routing_metrics = self.routing.take_metrics(self.config.num_layers, per_layer=True)
         full = None
         if ps.is_pipeline_last_stage():
             parts = [r["logprobs"] for r in reports]

@@ -38,14 +38,6 @@ from megatron.core.transformer.moe.router_replay import RouterReplay  # noqa: E4
 TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def route_dtype(num_experts: int) -> torch.dtype:
-    """The compact id type vLLM uses too (uint8 up to 256 experts); int16 above, since torch has
-    few uint16 kernels (int16 holds ids below 32768)."""
-    if num_experts > 32768:
-        raise ValueError(f"{num_experts} experts do not fit the int16 route ids")
-    return torch.uint8 if num_experts <= 256 else torch.int16
-
-
 class TokenReplay(RouterReplay):
     """One router's replay: recorded ids where a token has a route, live top-k elsewhere.
 

@@ -124,6 +124,10 @@ class RolloutServer:
             args.append("--enforce-eager")
         if c.enable_expert_parallel:
             args.append("--enable-expert-parallel")
+        if c.routing_replay and torch.cuda.is_available():
+            # Routes from sampling (needs vLLM's Model Runner V2, i.e. Triton; prefix caching
+            # stays on, as the flag requires). CPU servers re-score instead: rollout/routes.py.
+            args.append("--enable-return-routed-experts")
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..advantages import compute_advantages
+from ..rollout.routes import routes_batch
 from ..tasks import LoadedTask
 from ..types import RolloutGroup, TrainBatch
 
@@ -63,6 +64,9 @@ def build_batch(groups: Sequence[RolloutGroup], seq_len: int, pad_id: int) -> Sc
     parts = {k: torch.tensor([p[k] for g in groups for p in g.reward_parts]) for k in names}
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
     batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(n), rollout_logprobs=rollout_lp)
+    packed = routes_batch([s.routed_experts for s in samples], seq_len)
+    if packed is not None:
+        batch.routes, batch.routes_valid = packed
     return ScoredRollout(batch, rewards, parts, lengths, 0.0, len(groups[0].samples))
 
 

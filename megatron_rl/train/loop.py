@@ -12,12 +12,14 @@ from ..config.loader import to_dict
 from ..config.schema import RecipeConfig
 from ..console import Progress
 from ..objectives.chord import optimizer_step
+from ..rollout.routes import attach_routes
 from ..tasks import resolve_task
 from .batch import build_batch, kl_penalty, score_groups, set_advantages
 from .eval_phase import evaluate, load_eval_set
 from .metrics_log import MetricsLog, console_line
 from .report import startup_summary
 from .rollout_phase import generate_groups
+from .routing import routing_metrics
 from .session import Session, Stop, timed
 from .setup import export_hf, init_process_group, make_run_dir
 from .step_parts import minibatches, probe_batch, sft_batch, step_metrics
@@ -60,6 +62,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
                 batch.old_logprobs = session.actor.compute_logprobs(batch, temperature)
                 if session.reference is not None:
                     batch.ref_logprobs = session.reference.compute_logprobs(batch, temperature)
+                routing = routing_metrics(session.actor, batch, temperature, r.routing_replay_diagnostics)
             penalty = kl_penalty(batch, a.kl_beta, a.kl_estimator, a.kl_clamp) if a.kl_in_reward else None
             set_advantages(scored, a.advantage, a.mask_zero_variance_groups, penalty)
             updates = []
@@ -83,6 +86,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
                     extra.update(evaluate(session, eval_set, task))
             metrics = step_metrics(scored, batch, updates, timings, extra, session.version)
             metrics.update(task_metrics)
+            metrics.update(routing)
             if penalty is not None:
                 metrics["kl_in_reward/mean"] = float(penalty.mean())
             metrics.update({"data/epoch": session.order.epoch, "data/position": session.order.position})
@@ -123,6 +127,8 @@ def _rollout(session: Session, indices: list[int], step: int) -> list:
         p = session.prompts
         box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],
                                  indices, session.sampling(), session.version)
+        if session.cfg.rollout.routing_replay:
+            attach_routes(session.servers, box[0])      # before the next sync: the same weights
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -1,11 +1,14 @@
 """torchrun worker: routes recorded in one forward are replayed exactly under parallel layouts.
 
-Run as `torchrun --nproc-per-node 2 tests/mp/routing_replay_worker.py HF_DIR OUT_JSON`.
+Run as `torchrun --nproc-per-node 2 tests/mp/routing_replay_worker.py HF_DIR OUT_JSON [BATCH_PT]`.
+With BATCH_PT (a saved TrainBatch whose routes came from a vLLM server) step 1 is skipped.
 
 1. TP1 (DP 2): an unreplayed forward of the tiny MoE; every router logs the ids it used; the test
    places them back at (row, position, layer) with its own map of the layout (DP rows, SP slices,
    s-major order, PP layers) and sums over ranks: the recorded routes [N, L, layers, topk] (uint8).
-2. At TP1, TP2/SP+EP2 (ETP1) and PP2: the router weights are perturbed (the same noise on every
+2. Before anything is perturbed, the batch is scored without replay (the trainer's own routing
+   against the recorded one: `routing/mismatch_frac` and the log-prob gap to the rollout's).
+3. At TP1, TP2/SP+EP2 (ETP1) and PP2: the router weights are perturbed (the same noise on every
    rank), then the batch is scored (a) with the routes but without replay, (b) with replay, and (c)
    trained on for one step with replay. Each forward's logged ids are placed back the same way.
 Rank 0 writes, per layout, how many (token, layer) rows differ from the recorded ones in each
@@ -14,6 +17,7 @@ forward, the metric the actor reported, and how the tokens without a recorded ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -32,6 +36,7 @@ from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E4
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.layouts_worker import make_batch  # noqa: E402
 
@@ -42,7 +47,7 @@ LAYOUTS = {
     "pp2": ParallelLayout(pipeline_model_parallel_size=2),
 }
 MBS = 2
-ROWS, LENGTH = 8, 24
+SHAPE = {"rows": 8, "length": 24}
 
 
 def build(hf_dir: str, layout: ParallelLayout) -> Actor:
@@ -66,12 +71,13 @@ def placed(actor: Actor, num_layers: int, topk: int) -> tuple[torch.Tensor, torc
     """Every rank's logged ids at their (row, position, layer), summed over ranks, and how many
     ranks filled each place (must be exactly 1). The map is the test's own, not the actor's."""
     assert actor.routing is not None
-    out = torch.zeros(ROWS, LENGTH, num_layers, topk, dtype=torch.long)
-    filled = torch.zeros(ROWS, LENGTH, num_layers, dtype=torch.long)
+    rows_total, length = SHAPE["rows"], SHAPE["length"]
+    out = torch.zeros(rows_total, length, num_layers, topk, dtype=torch.long)
+    filled = torch.zeros(rows_total, length, num_layers, dtype=torch.long)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    per_rank = ROWS // dp
-    s_local = LENGTH // tp if actor.config.sequence_parallel else LENGTH
+    per_rank = rows_total // dp
+    s_local = length // tp if actor.config.sequence_parallel else length
     p0 = tp_rank * s_local if actor.config.sequence_parallel else 0
     owner = actor.config.sequence_parallel or tp_rank == 0        # without SP, TP ranks route the same rows
     for r in actor.routing.routers:
@@ -98,9 +104,8 @@ def perturb_routers(actor: Actor, scale: float) -> None:
                 m.weight.add_(noise.to(m.weight.device, m.weight.dtype))
 
 
-def record(hf_dir: str, num_layers: int, topk: int) -> torch.Tensor:
+def record(hf_dir: str, batch: TrainBatch, num_layers: int, topk: int) -> torch.Tensor:
     actor = build(hf_dir, LAYOUTS["tp1"])
-    batch = make_batch(512, ROWS, LENGTH)
     start_logs(actor)
     actor.compute_logprobs(batch, temperature=1.0)
     routes, filled = placed(actor, num_layers, topk)
@@ -112,13 +117,23 @@ def differ(got: torch.Tensor, want: torch.Tensor, where: torch.Tensor) -> int:
     return int(((got != want).any(dim=-1) & where.unsqueeze(-1)).sum())
 
 
-def run_layout(hf_dir: str, name: str, routes: torch.Tensor, valid: torch.Tensor) -> dict:
+def lp_gap(logp: torch.Tensor, batch: TrainBatch) -> float | None:
+    """Mean |Δ log-prob| against the rollout's over the response tokens (when it has them)."""
+    if batch.rollout_logprobs is None:
+        return None
+    return float(((logp - batch.rollout_logprobs).abs() * batch.mask).sum() / batch.mask.sum())
+
+
+def run_layout(hf_dir: str, name: str, batch: TrainBatch) -> dict:
+    assert batch.routes is not None and batch.routes_valid is not None
+    routes, valid = batch.routes.long(), batch.routes_valid
     num_layers, topk = routes.shape[2], routes.shape[3]
     actor = build(hf_dir, LAYOUTS[name])
-    perturb_routers(actor, scale=3.0)
-    batch = make_batch(512, ROWS, LENGTH)
-    batch.routes, batch.routes_valid = routes.to(torch.uint8), valid
     res: dict = {}
+    for mode, replay in (("same_weights_no_replay", False), ("same_weights_replay", True)):
+        logp = actor.compute_logprobs(batch, temperature=1.0, replay=replay)
+        res[mode] = {"metric": actor.routing_metrics, "lp_gap": lp_gap(logp, batch)}
+    perturb_routers(actor, scale=3.0)
     for mode, replay in (("no_replay", False), ("replay", True)):
         start_logs(actor)
         old = actor.compute_logprobs(batch, temperature=1.0, replay=replay)
@@ -132,8 +147,7 @@ def run_layout(hf_dir: str, name: str, routes: torch.Tensor, valid: torch.Tensor
             # depend on replay, so they equal the unreplayed forward's choice there.
             res[mode]["invalid_first_layer_differ_live"] = differ(got[:, :, :1], live[:, :, :1], ~valid)
             res[mode]["invalid_first_layer_differ_recorded"] = differ(got[:, :, :1], routes[:, :, :1], ~valid)
-    batch.old_logprobs = old
-    batch.ref_logprobs = old.clone()
+    batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=old.clone())
     start_logs(actor)
     metrics = actor.train_step(batch, AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28), "grpo",
                                temperature=1.0, rl_step=0)
@@ -148,15 +162,22 @@ def main() -> None:
     hf_dir, out = sys.argv[1], sys.argv[2]
     hf = read_hf_config(hf_dir)
     num_layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
-    routes = record(hf_dir, num_layers, topk)
-    # Recorded like vLLM's: T − 1 rows per sequence (the last token is never forwarded); one row
-    # also lost its routes after position 15 (e.g. a server-side cut).
-    valid = torch.ones(ROWS, LENGTH, dtype=torch.bool)
-    valid[:, -1] = False
-    valid[3, 16:] = False
-    result = {"recorded_experts_used": sorted(set(routes.unique().tolist()))}
+    if len(sys.argv) > 3:
+        batch = torch.load(sys.argv[3], weights_only=False)
+        assert batch.routes is not None
+    else:
+        batch = make_batch(512, SHAPE["rows"], SHAPE["length"])
+        routes = record(hf_dir, batch, num_layers, topk)
+        # Recorded like vLLM's: T − 1 rows per sequence (the last token is never forwarded); one
+        # row also lost its routes after position 15 (e.g. a server-side cut).
+        valid = torch.ones(SHAPE["rows"], SHAPE["length"], dtype=torch.bool)
+        valid[:, -1] = False
+        valid[3, 16:] = False
+        batch.routes, batch.routes_valid = routes.to(torch.uint8), valid
+    SHAPE["rows"], SHAPE["length"] = batch.num_rows, int(batch.tokens.shape[1])
+    result = {"recorded_experts_used": sorted(set(batch.routes.long().unique().tolist()))}
     for name in LAYOUTS:
-        result[name] = run_layout(hf_dir, name, routes, valid)
+        result[name] = run_layout(hf_dir, name, batch)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
