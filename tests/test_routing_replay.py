@@ -17,7 +17,6 @@ import yaml
 from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
 from tests.mp.launch import REPO, torchrun
 
-pytestmark = pytest.mark.slow
 TINY_FIELDS = yaml.safe_load((REPO / "recipes/tiny/base.yaml").read_text())["model"]["tiny"]
 LAYOUTS = ("tp1", "tp2_sp_ep2", "pp2")
 
@@ -47,6 +46,7 @@ def check_replay(result: dict[str, Any]) -> None:
     assert max(sums) - min(sums) < 1e-4 * abs(sums[0])
 
 
+@pytest.mark.slow
 def test_recorded_routes_are_replayed_exactly_at_every_layout(tmp_path: Path) -> None:
     hf_dir = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "tiny_moe", seed=0)
     out = tmp_path / "replay.json"
@@ -108,6 +108,7 @@ def hf_agreement(model_dir: Path, routes: list[np.ndarray], seqs: list[list[int]
     return same / total
 
 
+@pytest.mark.slow
 def test_vllm_routes_are_the_experts_megatron_uses(tmp_path: Path) -> None:
     from tests.rollout_fixtures import demo_assets, start_server
 
@@ -135,3 +136,22 @@ def test_vllm_routes_are_the_experts_megatron_uses(tmp_path: Path) -> None:
         # log-probs are the sampler's to fp32 noise, with replay too.
         assert same_no["metric"]["routing/mismatch_frac"] <= 0.01, layout
         assert same_yes["lp_gap"] <= 1e-4 and same_no["lp_gap"] <= 1e-4, layout
+
+
+def test_routes_batch_marks_what_was_recorded() -> None:
+    from megatron_rl.rollout.routes import decode_routes, encode_routes, routes_batch
+
+    a = np.array([[[0, 3], [1, 2]], [[2, 1], [3, 0]], [[1, 0], [2, 3]]], dtype=np.uint8)    # 3 tokens
+    b = np.full((7, 2, 2), 5, dtype=np.uint8)                                               # cut at 5
+    assert np.array_equal(decode_routes(encode_routes(a)), a)
+    packed = routes_batch([a, None, b], seq_len=5)
+    assert packed is not None
+    routes, valid = packed
+    assert routes.dtype == torch.uint8 and routes.shape == (3, 5, 2, 2)
+    assert valid.tolist() == [[True] * 3 + [False] * 2, [False] * 5, [True] * 5]
+    assert torch.equal(routes[0, :3], torch.from_numpy(a)) and int(routes[0, 3:].abs().sum()) == 0
+    assert routes_batch([None, None], seq_len=5) is None
+    wide = routes_batch([np.array([[[300, 511]]], dtype=np.uint16)], seq_len=2)     # > 256 experts
+    assert wide is not None and wide[0].dtype == torch.int16 and wide[0][0, 0, 0].tolist() == [300, 511]
+    with pytest.raises(ValueError, match="expected"):
+        routes_batch([a, np.zeros((2, 3, 2), dtype=np.uint8)], seq_len=5)
