@@ -126,7 +126,8 @@ def lp_gap(logp: torch.Tensor, batch: TrainBatch) -> float | None:
 
 def run_layout(hf_dir: str, name: str, batch: TrainBatch) -> dict:
     assert batch.routes is not None and batch.routes_valid is not None
-    routes, valid = batch.routes.long(), batch.routes_valid
+    # Compared as sets: vLLM's CPU router does not sort a token's ids (and `placed` sorts).
+    routes, valid = batch.routes.long().sort(dim=-1).values, batch.routes_valid
     num_layers, topk = routes.shape[2], routes.shape[3]
     actor = build(hf_dir, LAYOUTS[name])
     res: dict = {}
