@@ -41,6 +41,7 @@ def check_replay(result: dict[str, Any]) -> None:
         # The metric still reports what the live router would have chosen.
         assert got["replay"]["metric"]["routing/mismatch_frac"] > 0.1, layout
         assert got["train"]["metric"] > 0.1 and math.isfinite(got["train"]["loss"]), layout
+        assert got["budget_replay_logprob_diff"] <= 2e-6, layout
     # The same replayed forward at every layout: log-probs agree (fp32 reduction order only).
     sums = [result[k]["replay"]["logprob_sum"] for k in LAYOUTS]
     assert max(sums) - min(sums) < 1e-4 * abs(sums[0])

@@ -148,6 +148,12 @@ def run_layout(hf_dir: str, name: str, batch: TrainBatch) -> dict:
             # depend on replay, so they equal the unreplayed forward's choice there.
             res[mode]["invalid_first_layer_differ_live"] = differ(got[:, :, :1], live[:, :, :1], ~valid)
             res[mode]["invalid_first_layer_differ_recorded"] = differ(got[:, :, :1], routes[:, :, :1], ~valid)
+    # Token-budget micro-batches (rows regrouped by length, cut to their longest) replay the same
+    # routes: the same log-probs on the masked positions as the padded path.
+    actor.max_tokens_per_microbatch = 2 * SHAPE["length"]
+    budget = actor.compute_logprobs(batch, temperature=1.0, replay=True)
+    actor.max_tokens_per_microbatch = None
+    res["budget_replay_logprob_diff"] = float(((budget - old).abs() * batch.mask).max())
     batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=old.clone())
     start_logs(actor)
     metrics = actor.train_step(batch, AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28), "grpo",
