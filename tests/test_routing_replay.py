@@ -156,3 +156,18 @@ def test_routes_batch_marks_what_was_recorded() -> None:
     assert wide is not None and wide[0].dtype == torch.int16 and wide[0][0, 0, 0].tolist() == [300, 511]
     with pytest.raises(ValueError, match="expected"):
         routes_batch([a, np.zeros((2, 3, 2), dtype=np.uint8)], seq_len=5)
+
+
+def test_routes_returned_by_the_server_reach_the_sample() -> None:
+    """GPU servers (`--enable-return-routed-experts`) put base64 `.npy` routes on each choice of
+    /v1/completions (vLLM 0.32 `CompletionResponseChoice.routed_experts`); the client keeps them."""
+    from megatron_rl.rollout.client import _sample_from_choice
+    from megatron_rl.rollout.routes import encode_routes
+
+    routes = np.arange(3 * 2 * 2, dtype=np.uint8).reshape(3, 2, 2)
+    choice = {"logprobs": {"tokens": ["token_id:7", "token_id:9"], "token_logprobs": [-0.5, -1.0]},
+              "finish_reason": "stop", "routed_experts": encode_routes(routes)}
+    sample = _sample_from_choice([1, 2], choice, version=3)
+    assert sample.routed_experts is not None and np.array_equal(sample.routed_experts, routes)
+    assert sample.response_ids == [7, 9]
+    assert _sample_from_choice([1, 2], {**choice, "routed_experts": None}, version=3).routed_experts is None
