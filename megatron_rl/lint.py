@@ -273,10 +273,6 @@ def _routing_replay(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if r.routing_replay_diagnostics and not r.routing_replay:
         out.append(Finding("error", "routing-replay", "rollout.routing_replay_diagnostics",
                            "the diagnostics compare against replayed routes: set rollout.routing_replay: true"))
-    if r.routing_replay and cfg.parallelism.recompute_granularity == "full":
-        out.append(Finding("error", "routing-replay", "parallelism.recompute_granularity",
-                           "full recompute re-runs the routers in backward, after later micro-batches' routes "
-                           "were fed; use 'selective' or 'none' with routing replay"))
     return out
 
 

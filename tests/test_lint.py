@@ -200,13 +200,10 @@ def test_packed_sequences_are_refused_with_the_alternative() -> None:
 
 
 
-def test_routing_replay_needs_a_moe_model_and_no_full_recompute() -> None:
+def test_routing_replay_needs_a_moe_model() -> None:
     assert "routing-replay" not in findings("grpo.yaml", "rollout.routing_replay=true",
                                             "rollout.routing_replay_diagnostics=true")
     (msg,) = findings("grpo.yaml", "rollout.routing_replay=true", "model.tiny.num_experts=0")["routing-replay"]
     assert msg.startswith("error|rollout.routing_replay|") and "MoE" in msg
     (msg,) = findings("grpo.yaml", "rollout.routing_replay_diagnostics=true")["routing-replay"]
     assert msg.startswith("error|rollout.routing_replay_diagnostics|")
-    (msg,) = findings("grpo.yaml", "rollout.routing_replay=true", "parallelism.recompute_granularity=full")[
-        "routing-replay"]
-    assert msg.startswith("error|parallelism.recompute_granularity|")

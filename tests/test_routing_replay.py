@@ -18,7 +18,7 @@ from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
 from tests.mp.launch import REPO, torchrun
 
 TINY_FIELDS = yaml.safe_load((REPO / "recipes/tiny/base.yaml").read_text())["model"]["tiny"]
-LAYOUTS = ("tp1", "tp2_sp_ep2", "pp2")
+LAYOUTS = ("tp1", "tp2_sp_ep2", "pp2", "pp2_recompute")
 
 
 def check_replay(result: dict[str, Any]) -> None:
@@ -38,6 +38,8 @@ def check_replay(result: dict[str, Any]) -> None:
         # old-log-prob forward and in the training forward.
         assert got["replay"]["differ_valid"] == 0, layout
         assert got["train"]["differ_valid"] == 0, layout
+        if layout.endswith("_recompute"):      # and in the recompute of the training forward
+            assert got["train_recompute"] == {"differ_valid": 0, "filled_once": True}, layout
         # The metric still reports what the live router would have chosen.
         assert got["replay"]["metric"]["routing/mismatch_frac"] > 0.1, layout
         assert got["train"]["metric"] > 0.1 and math.isfinite(got["train"]["loss"]), layout

@@ -228,7 +228,7 @@ class Actor:
                                       temperature=temperature, with_entropy=with_entropy)
         return out.logprobs[:, :-1], None if out.entropy is None else out.entropy[:, :-1]
 
-    def _feed_routes(self, mb: TrainBatch, tokens: torch.Tensor, replay: bool) -> None:
+    def _feed_routes(self, mb: TrainBatch, tokens: torch.Tensor, replay: bool, recompute: bool) -> None:
         """This micro-batch's routes to the routers, shaped like `tokens` (CHORD's expert rows and
         pad columns have none: the trainer routes them itself). Every PP stage feeds its own layers."""
         if self.routing is None:
@@ -237,7 +237,7 @@ class Actor:
             self.routing.feed(None, None, False)
             return
         routes, valid = fit_routes(mb.routes, mb.routes_valid, tokens.shape[0], tokens.shape[1])
-        self.routing.feed(routes, valid, replay)
+        self.routing.feed(routes, valid, replay, recompute)
 
     def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool, replay: bool = False) -> list[Any]:
         seq_len = max(self._tokens_of(mb).shape[1] for mb in mbs)
@@ -252,12 +252,11 @@ class Actor:
             tokens = self._tokens_of(mb)
             if not budget:
                 tokens = torch.nn.functional.pad(tokens, (0, seq_len - tokens.shape[1]))
-            self._feed_routes(mb, tokens, replay)
+            self._feed_routes(mb, tokens, replay, recompute)
             return self._logits(model, tokens), partial(loss_for, mb, tokens)
 
-        if replay and self.training is not None and self.training.parallelism.recompute_granularity == "full":
-            # Full recompute re-runs the routers in backward, after later micro-batches were fed.
-            raise NotImplementedError("routing replay with recompute_granularity 'full'")
+        # Full recompute re-runs the routers in backward, after later micro-batches were fed.
+        recompute = not forward_only and self.config.recompute_granularity == "full"
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],

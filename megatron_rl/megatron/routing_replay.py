@@ -15,6 +15,11 @@ routers per process. Both are the wrong shape here:
 * a reference model and the policy live in the same process, and tests build many actors: each
   actor attaches its own `TokenReplay` to its own routers and keeps them out of the global list.
 
+With full activation recompute, a checkpointed layer's router runs again in backward, when later
+micro-batches have been fed already (pipeline 1F1B). Each router keeps the routes of its forwards
+in order and the recompute (a forward inside the autograd engine) takes them back first in first
+out, as megatron-core's own REPLAY_BACKWARD list does; backward runs in forward order per layer.
+
 Every replayed or measured forward also counts the tokens whose live top-k (as a set) differs
 from the recorded one: `routing/mismatch_frac`, the share that would be routed differently
 without replay.
@@ -52,8 +57,12 @@ class TokenReplay(RouterReplay):
         self.ids: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
         self.replay = False
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        """Routes of this step's forwards awaiting their recompute in backward (full recompute)."""
         self.log: list[torch.Tensor] | None = None
         """When a list: the ids every forward used, per call, on the CPU (tests, diagnostics)."""
+        self.recompute_log: list[torch.Tensor] | None = None
+        """The same for recomputes in backward."""
         self.mismatch: torch.Tensor | int = 0
         self.counted: torch.Tensor | int = 0
 
@@ -69,28 +78,44 @@ class TokenReplay(RouterReplay):
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         assert default_compute_topk is not None, "megatron-core passes its top-k"
         probs, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.ids is None or self.valid is None:
-            self._log(live)
+        recompute = self.pending is not None and _in_backward()
+        if recompute:
+            assert self.pending, f"layer {self.layer_number}: a recompute without a pending forward"
+            ids, valid = self.pending.pop(0)
+        elif self.ids is None or self.valid is None:
+            self._log(live, False)
             return probs, live
-        ids, valid = self.ids.to(scores.device), self.valid.to(scores.device)
+        else:
+            ids, valid = self.ids, self.valid
+            if self.pending is not None:
+                self.pending.append((ids, valid))
+        ids, valid = ids.to(scores.device), valid.to(scores.device)
         if ids.shape[0] != scores.shape[0]:
             raise RuntimeError(f"layer {self.layer_number}: {ids.shape[0]} recorded routes for "
                                f"{scores.shape[0]} router tokens (sequence-parallel slicing out of step)")
+        if not recompute:
+            self._count(live, ids, valid)
+        chosen = torch.where(valid.unsqueeze(1), ids, live) if self.replay else live
+        self._log(chosen, recompute)
+        return (scores.gather(1, chosen), chosen) if self.replay else (probs, live)
+
+    def _count(self, live: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None:
         with torch.no_grad():
             differs = (live.sort(dim=1).values != ids.sort(dim=1).values).any(dim=1) & valid
             # Kept on the device (no sync per layer); read once per step by `take_metrics`.
             self.mismatch = self.mismatch + differs.sum()
             self.counted = self.counted + valid.sum()
-        if not self.replay:
-            self._log(live)
-            return probs, live
-        chosen = torch.where(valid.unsqueeze(1), ids, live)
-        self._log(chosen)
-        return scores.gather(1, chosen), chosen
 
-    def _log(self, ids: torch.Tensor) -> None:
-        if self.log is not None:
-            self.log.append(ids.detach().cpu())
+    def _log(self, ids: torch.Tensor, recompute: bool) -> None:
+        log = self.recompute_log if recompute else self.log
+        if log is not None:
+            log.append(ids.detach().cpu())
+
+
+def _in_backward() -> bool:
+    """Inside the autograd engine: a checkpointed layer's recompute (megatron-core's and
+    Transformer Engine's checkpoints both re-run the forward from the backward pass)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _topk_routers(model: torch.nn.Module) -> list[Any]:
@@ -124,13 +149,17 @@ class RoutingReplay:
             t = t[:, rank * s:(rank + 1) * s]
         return t.transpose(0, 1).reshape(-1, *t.shape[2:])
 
-    def feed(self, routes: torch.Tensor | None, valid: torch.Tensor | None, replay: bool) -> None:
+    def feed(self, routes: torch.Tensor | None, valid: torch.Tensor | None, replay: bool,
+             recompute: bool = False) -> None:
         """One micro-batch's routes [b, s, layers, topk] and flags [b, s] (the micro-batch's
-        token shape), or None: the routers route on their own and count nothing."""
+        token shape), or None: the routers route on their own and count nothing. `recompute`:
+        backward will re-run the routers (full recompute); keep the routes for it until `clear`."""
         for r in self.routers:
             if routes is None or valid is None:
                 r.set_tokens(None, None, False)
                 continue
+            if recompute and r.pending is None:
+                r.pending = []
             layer = r.layer_number - 1                # megatron's global 1-based number → vLLM's layer id
             if layer >= routes.shape[2]:
                 raise ValueError(f"routes cover {routes.shape[2]} layers; the model routes at layer {layer}")
@@ -139,6 +168,7 @@ class RoutingReplay:
     def clear(self) -> None:
         for r in self.routers:
             r.set_tokens(None, None, False)
+            r.pending = None
 
     def take_metrics(self, num_layers: int, per_layer: bool) -> dict[str, float]:
         """`routing/mismatch_frac` over every rank's counted tokens since the last call (each

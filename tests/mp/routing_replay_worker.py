@@ -45,6 +45,9 @@ LAYOUTS = {
     "tp2_sp_ep2": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True,
                                  expert_model_parallel_size=2, expert_tensor_parallel_size=1),
     "pp2": ParallelLayout(pipeline_model_parallel_size=2),
+    # Full recompute re-runs the routers in backward, after later micro-batches were fed (1F1B).
+    "pp2_recompute": ParallelLayout(pipeline_model_parallel_size=2, recompute_granularity="full",
+                                    recompute_method="uniform", recompute_num_layers=1),
 }
 MBS = 2
 SHAPE = {"rows": 8, "length": 24}
@@ -64,10 +67,10 @@ def build(hf_dir: str, layout: ParallelLayout) -> Actor:
 def start_logs(actor: Actor) -> None:
     assert actor.routing is not None
     for r in actor.routing.routers:
-        r.log = []
+        r.log, r.recompute_log = [], []
 
 
-def placed(actor: Actor, num_layers: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def placed(actor: Actor, num_layers: int, topk: int, recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's logged ids at their (row, position, layer), summed over ranks, and how many
     ranks filled each place (must be exactly 1). The map is the test's own, not the actor's."""
     assert actor.routing is not None
@@ -81,14 +84,18 @@ def placed(actor: Actor, num_layers: int, topk: int) -> tuple[torch.Tensor, torc
     p0 = tp_rank * s_local if actor.config.sequence_parallel else 0
     owner = actor.config.sequence_parallel or tp_rank == 0        # without SP, TP ranks route the same rows
     for r in actor.routing.routers:
-        assert r.log is not None and len(r.log) == per_rank // MBS, (len(r.log or []), per_rank)
-        for i, ids in enumerate(r.log):
+        log = r.recompute_log if recompute else r.log
+        assert log is not None and len(log) == per_rank // MBS, (len(log or []), per_rank)
+        for i, ids in enumerate(log):
             rows = slice(dp_rank * per_rank + i * MBS, dp_rank * per_rank + (i + 1) * MBS)
             grid = ids.view(s_local, MBS, topk).transpose(0, 1)          # s-major then b
             if owner:
                 out[rows, p0:p0 + s_local, r.layer_number - 1] = grid.sort(dim=-1).values
                 filled[rows, p0:p0 + s_local, r.layer_number - 1] += 1
-        r.log = None
+        if recompute:
+            r.recompute_log = None
+        else:
+            r.log = None
     dist.all_reduce(out)
     dist.all_reduce(filled)
     return out, filled
@@ -158,7 +165,12 @@ def run_layout(hf_dir: str, name: str, batch: TrainBatch) -> dict:
     start_logs(actor)
     metrics = actor.train_step(batch, AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28), "grpo",
                                temperature=1.0, rl_step=0)
+    recomputed = None
+    if actor.config.recompute_granularity == "full":
+        again, again_filled = placed(actor, num_layers, topk, recompute=True)
+        recomputed = {"differ_valid": differ(again, routes, valid), "filled_once": bool((again_filled == 1).all())}
     got, filled = placed(actor, num_layers, topk)
+    res["train_recompute"] = recomputed
     res["train"] = {"differ_valid": differ(got, routes, valid), "filled_once": bool((filled == 1).all()),
                     "metric": metrics.get("routing/mismatch_frac"), "loss": metrics["loss/total"]}
     res["valid_tokens"] = int(valid.sum()) * num_layers
