@@ -255,8 +255,9 @@ class Actor:
             self._feed_routes(mb, tokens, replay, recompute)
             return self._logits(model, tokens), partial(loss_for, mb, tokens)
 
-        # Full recompute re-runs the routers in backward, after later micro-batches were fed.
-        recompute = not forward_only and self.config.recompute_granularity == "full"
+        # Activation recompute (full, or a selective module list with the MoE layer) re-runs the
+        # routers in backward, after later micro-batches were fed: keep each forward's routes.
+        recompute = not forward_only
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],

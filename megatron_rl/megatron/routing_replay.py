@@ -15,7 +15,7 @@ routers per process. Both are the wrong shape here:
 * a reference model and the policy live in the same process, and tests build many actors: each
   actor attaches its own `TokenReplay` to its own routers and keeps them out of the global list.
 
-With full activation recompute, a checkpointed layer's router runs again in backward, when later
+With activation recompute, a checkpointed layer's router runs again in backward, when later
 micro-batches have been fed already (pipeline 1F1B). Each router keeps the routes of its forwards
 in order and the recompute (a forward inside the autograd engine) takes them back first in first
 out, as megatron-core's own REPLAY_BACKWARD list does; backward runs in forward order per layer.
