@@ -19,6 +19,12 @@ sampling routes up to floating-point differences between a prefill over the whol
 incremental decode steps that sampled it (different GEMM shapes and batch neighbours): tokens
 whose top-k sits at a near-tie can flip. Replay then makes the trainer use the re-scored experts;
 the `routing/mismatch_frac` metric measures how far the trainer's own router is from them.
+
+Memory: num_hidden_layers × topk ids per token, 1 byte each (2 above 256 experts), plus a 1-byte
+validity flag in the batch, which holds every row at the full `seq_len` width. Tiny MoE: 2 × 2 + 1
+= 5 B/token (400 B per 80-token row). Qwen3-235B-A22B: 94 × 8 = 752 B/token, 6.2 MB per
+8192-token sample. Qwen3-Next-80B-A3B (512 experts): 48 × 10 × 2 = 960 B/token, 7.9 MB per
+8192-token sample. Over HTTP vLLM's base64 adds a third.
 """
 
 from __future__ import annotations
