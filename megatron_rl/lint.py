@@ -275,6 +275,18 @@ def _sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return []
 
 
+@rule("routing-replay")
+def _routing_replay(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    r, out = cfg.rollout, []
+    if r.routing_replay and hf is not None and not num_experts(hf):
+        out.append(Finding("error", "routing-replay", "rollout.routing_replay",
+                           "routing replay needs a MoE model; this model has no experts"))
+    if r.routing_replay_diagnostics and not r.routing_replay:
+        out.append(Finding("error", "routing-replay", "rollout.routing_replay_diagnostics",
+                           "the diagnostics compare against replayed routes: set rollout.routing_replay: true"))
+    return out
+
+
 @rule("reward-names")
 def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     """The task and every reward load (a plugin's import runs here, before any model starts)."""

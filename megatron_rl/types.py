@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -20,6 +23,9 @@ class Sample:
     finish_reason: str = ""
     weight_version: int = 0
     """Version of the policy weights the server generated with."""
+    routed_experts: np.ndarray | None = None
+    """[prompt_len + gen_len − 1, num_hidden_layers, topk] expert ids when routes are recorded
+    (`rollout.routing_replay`; `rollout/routes.py`)."""
 
 
 @dataclass
@@ -48,6 +54,11 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor | None = None
     sft_tokens: torch.Tensor | None = None
     sft_mask: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
+    """MoE routing of the rollout, aligned to `tokens`: [N, L, num_hidden_layers, topk] expert ids
+    (uint8 up to 256 experts, int16 above); see `megatron/routing_replay.py`."""
+    routes_valid: torch.Tensor | None = None
+    """[N, L] bool: the token has a recorded route (False: pads, the last token, unrecorded rows)."""
 
     @property
     def num_rows(self) -> int:
@@ -64,4 +75,4 @@ class TrainBatch:
             return None if t is None else t[start:stop]
         return TrainBatch(self.tokens[start:stop], self.mask[start:stop], self.advantages[start:stop],
                           cut(self.old_logprobs), cut(self.ref_logprobs), cut(self.rollout_logprobs),
-                          self.sft_tokens, self.sft_mask)
+                          self.sft_tokens, self.sft_mask, cut(self.routes), cut(self.routes_valid))

@@ -207,3 +207,12 @@ def test_packed_sequences_are_refused_with_the_alternative() -> None:
     assert "Gated DeltaNet" in msg
 
 
+
+
+def test_routing_replay_needs_a_moe_model() -> None:
+    assert "routing-replay" not in findings("grpo.yaml", "rollout.routing_replay=true",
+                                            "rollout.routing_replay_diagnostics=true")
+    (msg,) = findings("grpo.yaml", "rollout.routing_replay=true", "model.tiny.num_experts=0")["routing-replay"]
+    assert msg.startswith("error|rollout.routing_replay|") and "MoE" in msg
+    (msg,) = findings("grpo.yaml", "rollout.routing_replay_diagnostics=true")["routing-replay"]
+    assert msg.startswith("error|rollout.routing_replay_diagnostics|")

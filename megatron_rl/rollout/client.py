@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..types import Sample
+from .routes import decode_routes
 
 if TYPE_CHECKING:
     from .server import RolloutServer
@@ -140,9 +141,11 @@ def _logprob_of(entry: dict[str, Any], token_id: int) -> float:
 def _sample_from_choice(prompt_ids: list[int], choice: dict[str, Any], version: int) -> Sample:
     lp = choice["logprobs"]
     tokens = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
+    # Present when the server records routes from sampling (`--enable-return-routed-experts`).
+    routes = decode_routes(choice["routed_experts"]) if choice.get("routed_experts") else None
     return Sample(prompt_ids=prompt_ids, response_ids=tokens,
                   response_logprobs=[float(x) for x in lp["token_logprobs"]], text=choice.get("text", ""),
-                  finish_reason=choice.get("finish_reason") or "", weight_version=version)
+                  finish_reason=choice.get("finish_reason") or "", weight_version=version, routed_experts=routes)
 
 
 class MultiClient:

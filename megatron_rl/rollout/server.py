@@ -136,6 +136,10 @@ class RolloutServer:
             # /sleep pauses the scheduler and its worker's sleep() is a no-op, so on CPU the same
             # calls run and free nothing.
             args.append("--enable-sleep-mode")
+        if c.routing_replay and torch.cuda.is_available():
+            # Routes from sampling (needs vLLM's Model Runner V2, i.e. Triton; prefix caching
+            # stays on, as the flag requires). CPU servers re-score instead: rollout/routes.py.
+            args.append("--enable-return-routed-experts")
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:

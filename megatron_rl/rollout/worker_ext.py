@@ -88,6 +88,24 @@ class WorkerExtension:
         torch.manual_seed(int(seed))
         return int(seed)
 
+    def mrl_routes_start(self) -> int:
+        """Record the routed experts of every forward from now on (`rollout/routes.py`)."""
+        from .routes import RouteRecorder
+
+        if "_mrl_routes" not in self.__dict__:
+            hf = self.model_runner.model_config.hf_text_config
+            experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+            self.__dict__["_mrl_routes"] = RouteRecorder(self.model_runner.get_model(), hf.num_hidden_layers, experts)
+        recorder = self.__dict__["_mrl_routes"]
+        recorder.start()
+        return len(recorder.routers)
+
+    def mrl_routes_take(self) -> str:
+        """What was recorded since `mrl_routes_start`, as vLLM ships routes (base64 `.npy`)."""
+        from .routes import encode_routes
+
+        return encode_routes(self.__dict__["_mrl_routes"].take())
+
     def _mrl_map_segments(self, segments: list[list[Any]]) -> list[torch.Tensor]:
         """Each (path, size) as a uint8 tensor over a shared mapping; mappings of files not in this
         manifest are dropped (a new directory per update on shared file systems)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..advantages import compute_advantages
+from ..rollout.routes import routes_batch
 from ..tasks import LoadedTask
 from ..types import RolloutGroup, TrainBatch
 
@@ -75,7 +76,9 @@ def build_batch(groups: Sequence[RolloutGroup], scores: Scores, seq_len: int, pa
     names = sorted(scores.parts[0]) if scores.parts else []
     parts = {k: torch.tensor([p[k] for p in scores.parts]) for k in names}
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(n), rollout_logprobs=rollout_lp)
+    routes, routes_valid = routes_batch([s.routed_experts for s in samples], seq_len) or (None, None)
+    batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(n), rollout_logprobs=rollout_lp,
+                       routes=routes, routes_valid=routes_valid)
     return ScoredRollout(batch, rewards, parts, lengths, len(groups[0].samples))
 
 

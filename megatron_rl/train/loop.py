@@ -98,10 +98,13 @@ class Learned:
     kl_penalty: torch.Tensor | None
     updates: list[dict[str, float]]
     task_metrics: dict[str, float]
+    routing_metrics: dict[str, float]
+    """`routing/*` of the π_old forward (`rollout.routing_replay`), else empty."""
 
     def metrics(self, timings: dict[str, float], extra: dict[str, float], version: int) -> dict[str, float]:
         m = step_metrics(self.scored, self.batch, self.zero_variance_frac, self.updates, timings, extra, version)
         m.update(self.task_metrics)
+        m.update(self.routing_metrics)
         if self.kl_penalty is not None:
             m["kl_in_reward/mean"] = float(self.kl_penalty.mean())
         return m
@@ -121,12 +124,12 @@ def learn(session: Session, task: LoadedTask, step: int, version: int, timings: 
         scored = build_batch(groups, scores, seq_len, pad)
     temperature = session.sampling().logprobs_temperature
     with timed(timings, "logprobs"):
-        batch = with_policy_logprobs(session, scored.batch, temperature)
+        batch, routing = with_policy_logprobs(session, scored.batch, temperature)
     penalty = kl_penalty(batch, a.kl_beta, a.kl_estimator, a.kl_clamp) if a.kl_in_reward else None
     batch, zero_variance_frac = with_advantages(scored, batch, a.advantage, a.mask_zero_variance_groups, penalty)
     with timed(timings, "train"):
         updates = update(session, batch, a, step, temperature, seq_len, pad)
-    return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics)
+    return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing)
 
 
 def publish(session: Session, task: LoadedTask, step: int, version: int, probe: TrainBatch,

@@ -14,6 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
+from ..rollout.routes import attach_routes
 from ..types import RolloutGroup
 
 
@@ -39,5 +40,7 @@ def rollout(session: Any, indices: Sequence[int], step: int, version: int) -> li
         p = session.prompts
         box[0] = generate_groups(session.client, [p.token_ids[i] for i in indices], [p.dicts[i] for i in indices],
                                  indices, session.sampling(), version)
+        if session.cfg.rollout.routing_replay:
+            attach_routes(session.servers, box[0])      # before the next sync: the same weights
     dist.broadcast_object_list(box, src=0)
     return box[0]

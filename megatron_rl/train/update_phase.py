@@ -9,15 +9,18 @@ from typing import Any
 from ..config.schema import AlgorithmConfig
 from ..objectives.chord import optimizer_step
 from ..types import TrainBatch
+from .routing import routing_metrics
 from .step_parts import minibatches, sft_batch
 
 
-def with_policy_logprobs(session: Any, batch: TrainBatch, temperature: float) -> TrainBatch:
+def with_policy_logprobs(session: Any, batch: TrainBatch, temperature: float) -> tuple[TrainBatch, dict[str, float]]:
     """`batch` with the actor's log-probs before any update (π_old) and, when the run has a
-    reference model, the reference's (collective)."""
+    reference model, the reference's; and the routing metrics of the π_old forward when the batch
+    carries the rollout's MoE routes (collective)."""
     old = session.actor.compute_logprobs(batch, temperature)
+    routing = routing_metrics(session.actor, batch, temperature, session.cfg.rollout.routing_replay_diagnostics)
     ref = session.reference.compute_logprobs(batch, temperature) if session.reference is not None else None
-    return replace(batch, old_logprobs=old, ref_logprobs=ref)
+    return replace(batch, old_logprobs=old, ref_logprobs=ref), routing
 
 
 def update(session: Any, batch: TrainBatch, objective: AlgorithmConfig, step: int, temperature: float,
