@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig
+from ..config.schema import AlgorithmConfig, LoraConfig, ParallelismConfig, TrainerConfig
 from ..logprobs import vocab_parallel_logprobs
 from ..objectives import (
     LossInputs,
@@ -106,8 +106,9 @@ class Actor:
     """One rank's share of the policy (or, without `training`, of a frozen reference)."""
 
     def __init__(self, recipe: ModelRecipe, micro_batch_size: int, training: Training | None,
-                 max_tokens_per_microbatch: int | None = None) -> None:
-        """`training` None builds a frozen reference (no DDP, no optimizer)."""
+                 max_tokens_per_microbatch: int | None = None, lora: LoraConfig | None = None) -> None:
+        """`training` None builds a frozen reference (no DDP, no optimizer). With `lora` (rank > 0)
+        the base is frozen and only adapters train (`lora.py`)."""
         self.recipe = recipe
         self.config = recipe.config
         self.micro_batch_size = micro_batch_size
@@ -119,6 +120,11 @@ class Actor:
         # gate, the GDN output norm): the frozen reference gets no DDP to move them.
         model = build_gpt_model(recipe).to(self.device)
         self.trainable = training is not None
+        self.lora = None
+        if lora is not None and lora.rank > 0:
+            from .lora import apply_lora
+
+            self.lora = apply_lora(model, lora, seed=training.trainer.seed if training is not None else 0)
         if training is not None:
             p = training.parallelism
             model = DistributedDataParallel(config=self.config, ddp_config=ddp_config(p), module=model)

@@ -28,7 +28,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 """TE's grouped-GEMM experts (`TEGroupedMLP`): expert i's weight is `experts.linear_fc1.weight{i}`."""
-from ..megatron.sections import GDN_SHARDED_KEYS, TP_SECTIONS_ATTR  # noqa: E402  (beside the providers that set them)
+from ..megatron.sections import GDN_SHARDED_KEYS, LORA_PARAM_ATTR, TP_SECTIONS_ATTR  # noqa: E402  (beside the providers that set them)
 
 
 @dataclass
@@ -110,6 +110,8 @@ def local_params(model: torch.nn.Module) -> list[LocalParam]:
     for name, param in gpt.named_parameters():
         if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
             continue   # a copy of the embedding on the last stage, not a weight of its own
+        if getattr(param, LORA_PARAM_ATTR, False):
+            continue   # an adapter: no weight of the base model (see megatron/lora.py)
         layer = None
         global_name = local_spec_name(name)
         m = _LAYER.match(global_name)
