@@ -273,6 +273,21 @@ def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
             for key, message in plugin_problems(cfg.task, cfg.rewards.weights)]
 
 
+@rule("lora-base-quantization")
+def _lora_quantization(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    lora = cfg.lora
+    if lora.base_quantization == "none":
+        return []
+    if lora.rank == 0:
+        return [Finding("error", "lora-base-quantization", "lora.base_quantization",
+                        f"{lora.base_quantization!r} quantizes the frozen base of LoRA: set lora.rank > 0, "
+                        "or base_quantization: none (a fully trained model cannot have a quantized base)")]
+    if lora.base_quantization == "fp8":
+        return [Finding("error", "lora-base-quantization", "lora.base_quantization",
+                        "'fp8' has no code path yet; allowed: nf4, none")]
+    return []
+
+
 def missing_paths(cfg: Any, prefix: str = "") -> list[Finding]:
     """Every path-typed field (schema `spec(path=True)`) that is set but does not exist."""
     out: list[Finding] = []

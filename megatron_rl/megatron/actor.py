@@ -125,6 +125,10 @@ class Actor:
             from .lora import apply_lora
 
             self.lora = apply_lora(model, lora, seed=training.trainer.seed if training is not None else 0)
+            if lora.base_quantization != "none":    # QLoRA: the now frozen base in 4 bits
+                from .quantize import quantize_frozen_base
+
+                self.quantization = quantize_frozen_base(model, lora.base_quantization)
         if training is not None:
             p = training.parallelism
             model = DistributedDataParallel(config=self.config, ddp_config=ddp_config(p), module=model)
