@@ -198,3 +198,13 @@ def test_packed_sequences_are_refused_with_the_alternative() -> None:
     assert "Gated DeltaNet" in msg
 
 
+
+
+def test_quantized_base_needs_a_rank_and_a_code_path() -> None:
+    rule = "lora-base-quantization"
+    (msg,) = findings("grpo.yaml", "lora.base_quantization=nf4")[rule]
+    assert msg.startswith("error|lora.base_quantization|") and "set lora.rank > 0" in msg
+    (msg,) = findings("grpo.yaml", "lora.rank=8", "lora.base_quantization=fp8")[rule]
+    assert msg.startswith("error|lora.base_quantization|") and "'fp8' has no code path" in msg
+    assert rule not in findings("grpo.yaml", "lora.rank=8", "lora.base_quantization=nf4")
+    assert rule not in findings("grpo.yaml")

@@ -150,7 +150,7 @@ def _refuse_unsupported(name: str, module: torch.nn.Module) -> None:
 
 
 def _quantize_module(module: torch.nn.Module) -> tuple[int, int] | None:
-    weight = module.weight
+    weight: torch.Tensor = module.weight   # type: ignore[assignment]
     q = to_nf4(weight)
     if q is None:
         return None

@@ -75,14 +75,19 @@ def total_adapter_params(params: ModelParams, rank: int, targets: Sequence[str])
     return full * adapter_params(params.dims, params.spec.gated_attention, rank, targets, 1)[0]
 
 
-def largest_linear(d: Dims, gated: bool, tp: int, etp: int) -> float:
+def largest_linear(d: Dims, gated: bool, layers: Sequence[Layer], tp: int, etp: int) -> float:
     """Parameters of the largest single linear weight on one GPU (the one dequantized at a time)."""
     q_out = d.heads * d.head_dim * (2 if gated else 1)
-    sizes = [d.hidden * (q_out + 2 * d.kv_heads * d.head_dim) / tp, d.heads * d.head_dim * d.hidden / tp,
-             2 * d.hidden * d.intermediate / tp, 2 * d.hidden * d.moe_intermediate / etp,
-             2 * d.hidden * d.shared_intermediate / tp]
-    if d.lin_key_heads:
+    sizes = [0.0]
+    mixers, ffns = {layer.mixer for layer in layers}, {layer.ffn for layer in layers}
+    if "full_attention" in mixers:
+        sizes += [d.hidden * (q_out + 2 * d.kv_heads * d.head_dim) / tp, d.heads * d.head_dim * d.hidden / tp]
+    if "linear_attention" in mixers:
         sizes.append(d.hidden * (2 * d.lin_key_heads * d.lin_key_dim + 2 * d.lin_value_heads * d.lin_value_dim) / tp)
+    if "dense" in ffns:
+        sizes.append(2 * d.hidden * d.intermediate / tp)            # fc1: gate and up
+    if "moe" in ffns:
+        sizes += [2 * d.hidden * d.moe_intermediate / etp, 2 * d.hidden * d.shared_intermediate / tp]
     return max(sizes)
 
 
@@ -121,6 +126,6 @@ def stage_params(params: ModelParams, layers: Sequence[Layer], blocks: Sequence[
     quantized = transient = 0.0
     if quantization in QUANT_SCHEMES:
         quantized = sum(b.per_gpu(tp, ep, etp) for b in blocks if _quantizable(b))
-        transient = largest_linear(d, gated, tp, etp) * param_bytes if quantized else 0.0
+        transient = largest_linear(d, gated, layers, tp, etp) * param_bytes if quantized else 0.0
     base = (dense + expert - quantized) * param_bytes + quantized * nf4_bytes_per_param(param_bytes)
     return StageParams(base + adapters * param_bytes, adapters, 0.0, dense + expert, quantized, transient)
