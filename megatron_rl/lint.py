@@ -264,6 +264,32 @@ def _server_per_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return []
 
 
+@rule("lora-targets")
+def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    """LoRA settings act only with a rank; each target must exist in the model and have an
+    adapter code path (attention q/k/v/o today)."""
+    lo, out = cfg.lora, []
+    defaults = type(lo)()
+    if lo.rank == 0:
+        changed = [k for k in ("alpha", "targets") if getattr(lo, k) != getattr(defaults, k)]
+        if changed:
+            out.append(Finding("warning", "lora-targets", f"lora.{changed[0]}",
+                               f"lora.{', lora.'.join(changed)} set but lora.rank is 0: the full model trains"))
+        return out
+    if not lo.targets:
+        out.append(Finding("error", "lora-targets", "lora.targets", "lora.rank is set but lora.targets is empty"))
+    has = {"gdn": hf is not None and "linear_num_key_heads" in hf, "experts": hf is not None and num_experts(hf) > 0}
+    for target in sorted(set(lo.targets) & set(has)):
+        if hf is not None and not has[target]:
+            out.append(Finding("error", "lora-targets", "lora.targets",
+                               f"target {target!r}: the model ({hf.get('architectures')}) has no "
+                               f"{'Gated DeltaNet layers' if target == 'gdn' else 'experts'}"))
+        else:
+            out.append(Finding("error", "lora-targets", "lora.targets",
+                               f"target {target!r} has no adapter code path yet; use q, k, v, o"))
+    return out
+
+
 @rule("reward-names")
 def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     """The task and every reward load (a plugin's import runs here, before any model starts)."""

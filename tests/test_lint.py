@@ -198,6 +198,14 @@ def test_packed_sequences_are_refused_with_the_alternative() -> None:
     assert "Gated DeltaNet" in msg
 
 
+def test_lora_targets() -> None:
+    assert "lora-targets" not in findings("grpo.yaml", "lora.rank=8")
+    got = findings("grpo.yaml", "lora.alpha=32")["lora-targets"]
+    assert got[0].startswith("warning|lora.alpha|") and "rank is 0" in got[0]
+    assert findings("grpo.yaml", "lora.rank=8", "lora.targets=[]")["lora-targets"][0].startswith("error|lora.targets|")
+    got = findings("grpo.yaml", "lora.rank=8", "lora.targets=[q,gdn,experts]")["lora-targets"]
+    assert any("'gdn'" in m and "no Gated DeltaNet" in m for m in got)        # tiny MoE: no GDN
+    assert any("'experts'" in m and "no adapter code path" in m for m in got)  # it has experts
 
 
 def test_quantized_base_needs_a_rank_and_a_code_path() -> None:

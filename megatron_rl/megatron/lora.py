@@ -293,6 +293,29 @@ def adapter_shards(model: nn.Module | list[nn.Module]) -> list[AdapterShard]:
     return out
 
 
+LORA_KEY = ".lora_"
+"""In every adapter's parameter and checkpoint key (`…self_attention.lora_qkv.a`), in no base key."""
+
+
+def lora_part(sharded: dict[str, Any], adapters: bool) -> dict[str, Any]:
+    """The adapter (or the base) entries of a model's flat (sharded) state dict."""
+    return {k: v for k, v in sharded.items() if (LORA_KEY in k) == adapters}
+
+
+def load_part(actor: Any, state: dict[str, Any], adapters: bool) -> None:
+    """`load_state_dict` of one part (all of it when the actor has no LoRA): every key of that
+    part must arrive; the other part stays as it is."""
+    model = _unwrap(actor.model)
+    if getattr(actor, "lora", None) is None:
+        model.load_state_dict(state)
+        return
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if (LORA_KEY in k) == adapters and not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"LoRA {'adapter' if adapters else 'base'} load: missing {missing[:5]}, "
+                           f"unexpected {result.unexpected_keys[:5]}")
+
+
 @contextmanager
 def adapters_disabled(model: nn.Module | list[nn.Module]) -> Iterator[None]:
     mods = lora_modules(model)

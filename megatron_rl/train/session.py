@@ -38,9 +38,9 @@ from ..tasks import LoadedTask
 from ..types import TrainBatch
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
-from ..weights.sync import FanoutTransport, sync_weights
+from ..weights.sync import FanoutTransport
 from ..weights.transport_file import FileTransport
-from . import verification
+from . import lora_run, verification
 from .data_order import DataOrder
 from .setup import load_prompts, load_sft_tokens, require_eos
 
@@ -76,9 +76,10 @@ class Session:
         init_parallel(cfg.parallelism, t.seed)
         recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
-                           t.max_tokens_per_microbatch)
+                           t.max_tokens_per_microbatch, lora=cfg.lora)
         _load_init(self.actor, self.init.path)
-        self.reference = self._reference(recipe) if a.kl_beta > 0 else None
+        self.reference: Any = None if a.kl_beta <= 0 else \
+            lora_run.BaseReference(self.actor) if lora_run.uses_base_reference(cfg) else self._reference(recipe)
         self.sft = load_sft_tokens(_require(cfg.data.sft_path, "data.sft_path"), self.tokenizer,
                                    cfg.data.on_malformed) if cfg.algorithm.name == "chord" else None
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)
@@ -147,7 +148,7 @@ class Session:
         wait_for_rank0()
         self.version += 0 if self.resync_restored else 1
         self.resync_restored = False
-        report = sync_weights(self.actor.model, self.adapter, self.transport, self.version, self.dtype)
+        report = lora_run.sync(self.actor, self.adapter, self.transport, self.version, self.dtype)
         if report is None:
             return {}
         return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}
@@ -182,7 +183,8 @@ class Session:
         root = self.run_dir / "checkpoints"
         extra = {"step": step, "order": self.order.state(), "version": self.version,
                  "sft_order": self.sft_order.state() if self.sft_order else None,
-                 "py_random": _encode_random_state()}
+                 "py_random": _encode_random_state(),
+                 **lora_run.checkpoint_extra(self.cfg, self.init.path, self.hf_dir)}
         path = save_checkpoint(self.actor, root / f"step_{step:08d}", extra)
         if self.rank0:
             prune_checkpoints(root, self.cfg.checkpoint.keep_last)
@@ -197,6 +199,7 @@ class Session:
         latest = latest_checkpoint(self.run_dir / "checkpoints")
         if latest is None:
             return 0
+        lora_run.check_resume(self.cfg, latest, self.init.path)
         extra = load_checkpoint(self.actor, latest)
         self.order.load(extra["order"])
         if self.sft_order and extra.get("sft_order"):
