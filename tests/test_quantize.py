@@ -15,8 +15,10 @@ from tests.mp.launch import REPO
 
 cpu_compat.apply()
 
+from megatron_rl.config.schema import LoraConfig  # noqa: E402
 from megatron_rl.megatron.actor import init_parallel  # noqa: E402
 from megatron_rl.megatron.devices import init_distributed  # noqa: E402
+from megatron_rl.megatron.lora import apply_lora, merged_deltas  # noqa: E402
 from megatron_rl.megatron.providers import ParallelLayout, build_gpt_model, build_model_recipe  # noqa: E402
 from megatron_rl.megatron.quantize import (  # noqa: E402
     QuantizationError,
@@ -62,14 +64,16 @@ def models() -> Iterator[tuple[Any, Any, Any, Any]]:
     yield dense, quant, same, report
 
 
-def _forward(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the next tokens and the embedding's gradient of their sum."""
+def _forward(model: Any, tokens: torch.Tensor, backward: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits, and the embedding's gradient of the next tokens' summed log-probs."""
     model.zero_grad(set_to_none=True)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     logits = model(tokens, positions, None).float()
     logprobs = torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    logprobs.sum().backward()
-    return logits.detach(), model.embedding.word_embeddings.weight.grad.clone()
+    if backward:
+        logprobs.sum().backward()
+    grad = model.embedding.word_embeddings.weight.grad          # None once LoRA froze the embedding
+    return logits.detach(), torch.zeros(0) if grad is None else grad.clone()
 
 
 def test_nf4_base_quantizes_every_frozen_linear_but_the_output_layer(models: tuple) -> None:
@@ -134,3 +138,50 @@ def test_loading_weights_into_a_quantized_base_requantizes_them(models: tuple) -
     with torch.no_grad():
         param.copy_(ref)
     torch.testing.assert_close(dequantize(param, torch.float32), before, atol=1e-6, rtol=0)
+
+
+def _lora_twins() -> tuple[Any, Any]:
+    """A QLoRA model and its dense twin (same dequantized base, same adapters, B ≠ 0)."""
+    cfg = LoraConfig(rank=4, alpha=8.0)
+    quant, same = _model(), _model()
+    same.load_state_dict(quant.state_dict())
+    for model in (quant, same):
+        apply_lora(model, cfg, seed=5)
+    quantize_frozen_base(quant, "nf4")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for (name, q), (_, d) in zip(quant.named_parameters(), same.named_parameters(), strict=True):
+            if is_quantized(q):
+                d.copy_(dequantize(q, d.dtype))
+            elif q.requires_grad and "lora" in name:
+                q.copy_(torch.randn(q.shape, generator=g) * 0.05)   # B ≠ 0: the adapters act
+                d.copy_(q)
+    return quant, same
+
+
+def test_lora_on_an_nf4_base_trains_the_adapters_only(models: tuple) -> None:
+    quant, same = _lora_twins()
+    tokens = torch.randint(0, FIELDS["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(2))
+    logits_q, _ = _forward(quant, tokens)
+    logits_s, _ = _forward(same, tokens)
+    torch.testing.assert_close(logits_q, logits_s, atol=EXACT_ATOL, rtol=0)
+    lora = {n: p.grad for n, p in quant.named_parameters() if "lora" in n}
+    twin = {n: p.grad for n, p in same.named_parameters() if "lora" in n}
+    assert lora and all(g is not None and g.abs().sum() > 0 for g in lora.values())
+    for name, grad in lora.items():          # dgrad through every quantized layer above the adapter
+        torch.testing.assert_close(grad, twin[name], atol=EXACT_ATOL, rtol=1e-4)
+    assert all(p.grad is None for p in quant.parameters() if is_quantized(p))
+
+
+def test_merged_deltas_merge_into_a_dense_copy_and_put_the_nf4_base_back(models: tuple) -> None:
+    quant, same = _lora_twins()
+    tokens = torch.randint(0, FIELDS["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
+    adapted, _ = _forward(same, tokens)
+    name = "decoder.layers.0.self_attention.linear_qkv"
+    module = dict(quant.named_modules())[name]
+    nf4 = module.weight
+    with merged_deltas(quant) as touched:
+        assert f"{name}.weight" in touched and not is_quantized(module.weight)
+        merged, _ = _forward(quant, tokens, backward=False)    # adapters off, W + ΔW in the weight
+    torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=0)
+    assert module.weight is nf4 and is_quantized(module.weight)

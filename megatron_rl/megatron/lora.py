@@ -38,6 +38,7 @@ from torch import nn
 
 from ..config.schema import LoraConfig
 from . import cpu_compat
+from .quantize import dequantized_weights
 from .sections import LORA_PARAM_ATTR
 
 cpu_compat.require_applied()
@@ -332,16 +333,18 @@ def adapters_disabled(model: nn.Module | list[nn.Module]) -> Iterator[None]:
 @contextmanager
 def merged_deltas(model: nn.Module | list[nn.Module]) -> Iterator[set[str]]:
     """Each adapted base weight holds W + ΔW (adapters off meanwhile, so a forward inside is the
-    merged model, not W + 2ΔW); yields the touched global names; restores W exactly."""
+    merged model, not W + 2ΔW); yields the touched global names; restores W exactly. A quantized
+    (QLoRA) base weight is merged into a dense copy, and the quantized one is put back after."""
     mods = lora_modules(model)
-    saved = [m.base.weight.detach().clone() for m in mods]
-    with torch.no_grad():
-        for m in mods:
-            m.base.weight.add_(m.delta_weight().to(m.base.weight.dtype))
-    try:
-        with adapters_disabled(model):
-            yield {m.weight_name for m in mods}
-    finally:
+    with dequantized_weights([m.base for m in mods]):
+        saved = [m.base.weight.detach().clone() for m in mods]
         with torch.no_grad():
-            for m, w in zip(mods, saved):
-                m.base.weight.copy_(w)
+            for m in mods:
+                m.base.weight.add_(m.delta_weight().to(m.base.weight.dtype))
+        try:
+            with adapters_disabled(model):
+                yield {m.weight_name for m in mods}
+        finally:
+            with torch.no_grad():
+                for m, w in zip(mods, saved):
+                    m.base.weight.copy_(w)

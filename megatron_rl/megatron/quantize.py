@@ -22,7 +22,8 @@ own kernels; quantizing those is refused with a clear error rather than silently
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,16 +150,41 @@ def _refuse_unsupported(name: str, module: torch.nn.Module) -> None:
             "model with the local spec to use lora.base_quantization")
 
 
+def _frozen_like(data: torch.Tensor, like: torch.Tensor) -> torch.nn.Parameter:
+    """A frozen parameter holding `data`, with `like`'s megatron attributes."""
+    param = torch.nn.Parameter(data, requires_grad=False)
+    for attr in PARAM_ATTRS:
+        if hasattr(like, attr):
+            setattr(param, attr, getattr(like, attr))
+    return param
+
+
+@contextmanager
+def dequantized_weights(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Within: each module's quantized weight is a dense copy in its original dtype (merge a LoRA
+    delta into it, sync or export it); on exit the quantized parameter itself is put back, so
+    nothing is re-quantized. Other modules are left alone."""
+    swapped: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    for module in modules:
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and is_quantized(weight):
+            swapped.append((module, weight))
+    try:
+        for module, q in swapped:
+            module.weight = _frozen_like(dequantize(q), q)
+        yield
+    finally:
+        for module, q in swapped:
+            module.weight = q
+
+
 def _quantize_module(module: torch.nn.Module) -> tuple[int, int] | None:
     weight: torch.Tensor = module.weight   # type: ignore[assignment]
     q = to_nf4(weight)
     if q is None:
         return None
     before = tensor_nbytes(weight)
-    param = torch.nn.Parameter(q, requires_grad=False)
-    for attr in PARAM_ATTRS:
-        if hasattr(weight, attr):
-            setattr(param, attr, getattr(weight, attr))
+    param = _frozen_like(q, weight)
     module.weight = param
     # An instance attribute shadows the class's `_forward_impl` (which picks by requires_grad).
     module._forward_impl = quantized_linear   # type: ignore[assignment]
