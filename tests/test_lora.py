@@ -69,3 +69,39 @@ def test_lora_layouts_give_the_same_loss_and_gradients(kind: str, tmp_path: Path
         assert got["disabled_diff"] == 0.0 and got["adapted_moved"] > 1e-2, layout
         # W + ΔW (what weight sync sends) computes what the adapted model computes.
         assert got["merged_diff"] <= MERGE_ATOL, layout
+
+
+def test_lora_checkpoint_resumes_exactly_and_converts_merged(tmp_path: Path) -> None:
+    """A LoRA checkpoint is the adapters and their Adam state only (+ the base's fingerprint): it
+    resumes bit-exactly at the saving layout, reshards onto others, and `convert mcore-to-hf`
+    merges it into its recorded base, changing exactly the adapted HF tensors."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.mp.launch import cpu_env
+
+    hf_dir = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "base", seed=0)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "ckpt.json"
+    torchrun("lora_checkpoint_worker.py", str(hf_dir), str(ckpt), str(out))
+    r = json.loads(out.read_text())
+    assert r["moved"] > 1e-2                                   # the second step changed the policy
+    assert r["tp2_sp"] == {"loaded_diff": 0.0, "resumed_diff": 0.0}     # same layout: bit-exact
+    for layout in ("pp2", "tp1"):                              # resharded: fp32 reduction order only
+        assert all(v <= 2e-6 for v in r[layout].values()), (layout, r[layout])
+    keys = {k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k != "common_state/shard_0_1"}
+    assert keys and all(".lora_" in k for k in keys), sorted(keys)[:5]
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in keys)
+    export = tmp_path / "export"
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "convert", "mcore-to-hf", "--mcore", str(ckpt),
+                           "--out", str(export), "--no-progress"], env=cpu_env(PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got, base = load_file(export / "model.safetensors"), load_file(hf_dir / "model.safetensors")
+    expected = torch.load(f"{out}.export.pt")                   # the trainer's merged tensors at the save
+    assert sorted(got) == sorted(expected) == sorted(base)
+    assert max((got[k] - expected[k]).abs().max().item() for k in got) <= 1e-6
+    changed = sorted(k for k in base if not torch.equal(base[k], got[k]))
+    assert changed == sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo")

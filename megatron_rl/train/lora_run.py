@@ -46,7 +46,7 @@ def sync(actor: Actor, adapter: WeightAdapter, transport: Transport | None, vers
 def checkpoint_extra(cfg: RecipeConfig, init_path: str, hf_dir: str) -> dict[str, Any]:
     """`extra` entries of a LoRA checkpoint ({} without LoRA)."""
     lo = cfg.lora
-    return {"lora": lora_record(lo.rank, lo.alpha, list(lo.targets), init_path, hf_dir)} if lo.rank > 0 else {}
+    return lora_record(lo.rank, lo.alpha, list(lo.targets), init_path, hf_dir) if lo.rank > 0 else {}
 
 
 def check_resume(cfg: RecipeConfig, checkpoint: Path, init_path: str) -> None:

@@ -15,8 +15,13 @@ from typing import Any
 
 import torch
 
+from ..config.schema import LoraConfig
+from ..megatron.actor import Actor
+from ..megatron.checkpoint import load_weights
 from ..megatron.lora import merged_deltas
+from ..model_config import is_megatron_checkpoint
 from .adapters import WeightAdapter
+from .loading import load_hf_into_model
 from .sync import SyncReport, Transport, sync_weights
 
 
@@ -51,6 +56,25 @@ def check_base(recorded: dict[str, Any], path: str | Path, where: str) -> None:
 
 
 def lora_record(rank: int, alpha: float, targets: list[str], base: str | Path, hf_dir: str | Path) -> dict[str, Any]:
-    """What a LoRA checkpoint records besides the adapters (JSON, in complete.json's `extra`)."""
-    return {"rank": rank, "alpha": alpha, "targets": list(targets), "base": base_identity(base),
+    """What a LoRA checkpoint records besides the adapters (JSON entries of complete.json's
+    `extra`): the adapters' shape and base under `lora`, the model's HF config under `hf_config`
+    (where `convert mcore-to-hf` reads it)."""
+    return {"lora": {"rank": rank, "alpha": alpha, "targets": list(targets), "base": base_identity(base)},
             "hf_config": json.loads((Path(hf_dir) / "config.json").read_text())}
+
+
+def lora_config(record: dict[str, Any] | None) -> LoraConfig | None:
+    """The adapters' shape recorded in a checkpoint (None: a full checkpoint)."""
+    if record is None:
+        return None
+    return LoraConfig(rank=record["rank"], alpha=record["alpha"], targets=list(record["targets"]))
+
+
+def load_recorded_base(actor: Actor, record: dict[str, Any], where: str) -> None:
+    """The frozen base a LoRA checkpoint's adapters belong to (checked by its fingerprint)."""
+    path = record["base"]["path"]
+    check_base(record["base"], path, where)
+    if is_megatron_checkpoint(path):
+        load_weights(actor, path)
+    else:
+        load_hf_into_model(actor.model, path)
