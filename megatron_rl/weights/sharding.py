@@ -28,6 +28,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 """TE's grouped-GEMM experts (`TEGroupedMLP`): expert i's weight is `experts.linear_fc1.weight{i}`."""
+from ..megatron.quantize import dequantize  # noqa: E402
 from ..megatron.sections import GDN_SHARDED_KEYS, LORA_PARAM_ATTR, TP_SECTIONS_ATTR  # noqa: E402  (beside the providers that set them)
 
 
@@ -175,7 +176,7 @@ def unshard(p: LocalParam) -> torch.Tensor | None:
     An unsharded parameter comes back as itself (detached, not copied): read it, copy it, but do
     not keep it across an optimizer step or write into it.
     """
-    local = p.param.detach()
+    local = dequantize(p.param.detach())      # a QLoRA base leaves dense (its NF4 image), shard by shard
     if p.tp_dim is None or p.tp_size == 1:
         return local
     local = local.contiguous()
