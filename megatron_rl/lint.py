@@ -287,6 +287,32 @@ def _routing_replay(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return out
 
 
+@rule("lora-targets")
+def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    """LoRA settings act only with a rank; each target must exist in the model and have an
+    adapter code path (attention q/k/v/o today)."""
+    lo, out = cfg.lora, []
+    defaults = type(lo)()
+    if lo.rank == 0:
+        changed = [k for k in ("alpha", "targets") if getattr(lo, k) != getattr(defaults, k)]
+        if changed:
+            out.append(Finding("warning", "lora-targets", f"lora.{changed[0]}",
+                               f"lora.{', lora.'.join(changed)} set but lora.rank is 0: the full model trains"))
+        return out
+    if not lo.targets:
+        out.append(Finding("error", "lora-targets", "lora.targets", "lora.rank is set but lora.targets is empty"))
+    has = {"gdn": hf is not None and "linear_num_key_heads" in hf, "experts": hf is not None and num_experts(hf) > 0}
+    for target in sorted(set(lo.targets) & set(has)):
+        if hf is not None and not has[target]:
+            out.append(Finding("error", "lora-targets", "lora.targets",
+                               f"target {target!r}: the model ({hf.get('architectures')}) has no "
+                               f"{'Gated DeltaNet layers' if target == 'gdn' else 'experts'}"))
+        else:
+            out.append(Finding("error", "lora-targets", "lora.targets",
+                               f"target {target!r} has no adapter code path yet; use q, k, v, o"))
+    return out
+
+
 @rule("reward-names")
 def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     """The task and every reward load (a plugin's import runs here, before any model starts)."""
@@ -294,6 +320,21 @@ def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
     return [Finding("error", "reward-names", key, message)
             for key, message in plugin_problems(cfg.task, cfg.rewards.weights)]
+
+
+@rule("lora-base-quantization")
+def _lora_quantization(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    lora = cfg.lora
+    if lora.base_quantization == "none":
+        return []
+    if lora.rank == 0:
+        return [Finding("error", "lora-base-quantization", "lora.base_quantization",
+                        f"{lora.base_quantization!r} quantizes the frozen base of LoRA: set lora.rank > 0, "
+                        "or base_quantization: none (a fully trained model cannot have a quantized base)")]
+    if lora.base_quantization == "fp8":
+        return [Finding("error", "lora-base-quantization", "lora.base_quantization",
+                        "'fp8' has no code path yet; allowed: nf4, none")]
+    return []
 
 
 def missing_paths(cfg: Any, prefix: str = "") -> list[Finding]:

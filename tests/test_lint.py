@@ -216,3 +216,23 @@ def test_routing_replay_needs_a_moe_model() -> None:
     assert msg.startswith("error|rollout.routing_replay|") and "MoE" in msg
     (msg,) = findings("grpo.yaml", "rollout.routing_replay_diagnostics=true")["routing-replay"]
     assert msg.startswith("error|rollout.routing_replay_diagnostics|")
+
+
+def test_lora_targets() -> None:
+    assert "lora-targets" not in findings("grpo.yaml", "lora.rank=8")
+    got = findings("grpo.yaml", "lora.alpha=32")["lora-targets"]
+    assert got[0].startswith("warning|lora.alpha|") and "rank is 0" in got[0]
+    assert findings("grpo.yaml", "lora.rank=8", "lora.targets=[]")["lora-targets"][0].startswith("error|lora.targets|")
+    got = findings("grpo.yaml", "lora.rank=8", "lora.targets=[q,gdn,experts]")["lora-targets"]
+    assert any("'gdn'" in m and "no Gated DeltaNet" in m for m in got)        # tiny MoE: no GDN
+    assert any("'experts'" in m and "no adapter code path" in m for m in got)  # it has experts
+
+
+def test_quantized_base_needs_a_rank_and_a_code_path() -> None:
+    rule = "lora-base-quantization"
+    (msg,) = findings("grpo.yaml", "lora.base_quantization=nf4")[rule]
+    assert msg.startswith("error|lora.base_quantization|") and "set lora.rank > 0" in msg
+    (msg,) = findings("grpo.yaml", "lora.rank=8", "lora.base_quantization=fp8")[rule]
+    assert msg.startswith("error|lora.base_quantization|") and "'fp8' has no code path" in msg
+    assert rule not in findings("grpo.yaml", "lora.rank=8", "lora.base_quantization=nf4")
+    assert rule not in findings("grpo.yaml")

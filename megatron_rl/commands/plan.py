@@ -1,5 +1,8 @@
 """`megatron-rl plan RECIPE [key.path=value ...] [--nodes N] [--gpus-per-node G] [--gpu-memory-gb M]
-[--json]`: per-GPU memory of the recipe's layout, the verdict, and layouts that fit.
+[--modes] [--json]`: per-GPU memory of the recipe's layout, the verdict, and layouts that fit.
+
+`--modes` adds full / LoRA / QLoRA side by side and, for each, the fewest nodes with a layout that
+fits (`planner/modes.py`).
 
 Exit status: 0 the recipe's layout fits, 2 it does not (the output suggests layouts that do),
 1 bad input (one line on stderr).
@@ -27,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="memory of one GPU in GB (default 80)")
     p.add_argument("--suggestions", type=int, default=5,
                    help="how many fitting layouts to list (default 5)")
+    p.add_argument("--modes", action="store_true",
+                   help="also compare full / LoRA / QLoRA training and the fewest nodes of each")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=run)
 
@@ -43,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from ..model_config import ModelConfigError, resolve_hf_config
     from ..planner import PlannerError
     from ..planner.memory import Hardware
+    from ..planner.modes import compare, modes_json, render_modes
     from ..planner.plan import plan
     from ..planner.report import render, to_json
 
@@ -53,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
         hf = resolve_hf_config(cfg.model)
         if hf is None:
             raise PlannerError(f"{args.path}: the recipe names no model (model.hf_config or model.tiny)")
-        result = plan(cfg, hf, Hardware(cfg.parallelism.gpus_per_node, args.gpu_memory_gb),
-                      args.suggestions)
+        hw = Hardware(cfg.parallelism.gpus_per_node, args.gpu_memory_gb)
+        result = plan(cfg, hf, hw, args.suggestions)
+        modes = compare(cfg, hf, hw) if args.modes else None
     except ConfigError as exc:
         print(f"error: invalid recipe {args.path}: " + "; ".join(str(p) for p in exc.problems),
               file=sys.stderr)
@@ -62,5 +69,9 @@ def run(args: argparse.Namespace) -> int:
     except (ModelConfigError, PlannerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    sys.stdout.write(json.dumps(to_json(result), indent=2) + "\n" if args.json else render(result))
+    if args.json:
+        data = to_json(result) | ({"modes": modes_json(modes)} if modes else {})
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        sys.stdout.write(render(result) + ("\n" + render_modes(modes, hw) if modes else ""))
     return 0 if result.estimate.fits else EXIT_DOES_NOT_FIT

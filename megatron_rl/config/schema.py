@@ -251,14 +251,19 @@ class AlgorithmConfig:
 
 @dataclass
 class LoraConfig:
-    rank: int = spec(0, ge=0, not_implemented="LoRA/QLoRA has no trainer code path yet (issue #20)")
+    rank: int = spec(0, ge=0)
     """LoRA rank; 0 trains the full model. With a rank, the base weights are frozen and only the
-    adapters train, sync and checkpoint."""
-    alpha: float = spec(16.0, gt=0.0, not_implemented="LoRA/QLoRA has no trainer code path yet (issue #20)")
+    adapters train, sync (merged into the touched base tensors) and checkpoint."""
+    alpha: float = spec(16.0, gt=0.0)
     """LoRA scaling numerator: the adapter's output is scaled by alpha / rank."""
-    base_quantization: Literal["none", "nf4", "fp8"] = spec(
-        "none", not_implemented="LoRA/QLoRA has no trainer code path yet (issue #20)")
-    """Storage of the frozen base weights (QLoRA with nf4); only with a rank."""
+    targets: list[Literal["q", "k", "v", "o", "gdn", "experts"]] = spec(factory=lambda: ["q", "k", "v", "o"])
+    """Projections that get adapters: attention q/k/v (HF's q_proj/k_proj/v_proj, Qwen3-Next's q_proj
+    with its gate) and o (o_proj); 'gdn' (Gated DeltaNet projections) and 'experts' are refused
+    until they have a code path."""
+    base_quantization: Literal["none", "nf4", "fp8"] = "none"
+    """Storage of the frozen base weights: 'nf4' is QLoRA's 4-bit NormalFloat with double-quantized
+    block scales (torchao, `megatron/quantize.py`); only with a rank. 'fp8' is refused by the lint
+    until it has a code path."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig
+from ..config.schema import AlgorithmConfig, LoraConfig, ParallelismConfig, TrainerConfig
 from ..logprobs import vocab_parallel_logprobs
 from ..objectives import (
     LossInputs,
@@ -107,8 +107,10 @@ class Actor:
     """One rank's share of the policy (or, without `training`, of a frozen reference)."""
 
     def __init__(self, recipe: ModelRecipe, micro_batch_size: int, training: Training | None,
-                 max_tokens_per_microbatch: int | None = None, replay_routes: bool | None = None) -> None:
-        """`training` None builds a frozen reference (no DDP, no optimizer).
+                 max_tokens_per_microbatch: int | None = None, replay_routes: bool | None = None,
+                 lora: LoraConfig | None = None) -> None:
+        """`training` None builds a frozen reference (no DDP, no optimizer). With `lora` (rank > 0)
+        the base is frozen and only adapters train (`lora.py`).
 
         `replay_routes`: a MoE model's routers use the rollout's experts for batches that carry
         `routes` (None: the policy does, a reference does not — see `routing_replay_default`)."""
@@ -127,6 +129,19 @@ class Actor:
         self.replay_routes = routing_replay_default(self.trainable) if replay_routes is None else replay_routes
         self.routing_metrics: dict[str, float] = {}
         """Routing counts of the last `compute_logprobs` that had routes (`routing/...`, per layer too)."""
+        self.lora = None
+        self.quantization: Any = None
+        """QLoRA: what `quantize.quantize_frozen_base` did (None: the base is in the training dtype)."""
+        self.base_synced = False
+        """QLoRA: the server holds the base's NF4 image (its first sync sends every tensor)."""
+        if lora is not None and lora.rank > 0:
+            from .lora import apply_lora
+
+            self.lora = apply_lora(model, lora, seed=training.trainer.seed if training is not None else 0)
+            if lora.base_quantization != "none":    # QLoRA: the now frozen base in 4 bits
+                from .quantize import quantize_frozen_base
+
+                self.quantization = quantize_frozen_base(model, lora.base_quantization)
         if training is not None:
             p = training.parallelism
             model = DistributedDataParallel(config=self.config, ddp_config=ddp_config(p), module=model)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 # The actor import applies the CPU patches, which must precede the first megatron.core import.
 from .actor import Actor, unwrap  # isort: skip
+from .lora import load_part, lora_part  # isort: skip
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
@@ -29,8 +30,12 @@ COMPLETE = "complete.json"
 PARTIAL = ".partial"
 
 
-def _sharded_state(actor: Actor, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
+def _sharded_state(actor: Actor, is_loading: bool, with_optimizer: bool = True, base: bool = False) -> dict[str, Any]:
+    """With LoRA, a checkpoint is the adapters (+ their optimizer state); `base` = the other part
+    (the frozen weights, read from an init checkpoint)."""
     model_sd = unwrap(actor.model).sharded_state_dict()
+    if actor.lora is not None:
+        model_sd = lora_part(model_sd, adapters=not base)
     state: dict[str, Any] = {"model": model_sd}
     if actor.trainable and with_optimizer:
         # 'fully_reshardable' gathers each parameter's optimizer state, so a checkpoint loads at
@@ -217,7 +222,7 @@ def load_checkpoint(actor: Actor, directory: str | Path, load_optimizer: bool = 
             opt._init_optimizer_states_with_dummy_values()
     state = _merge_in_place(_sharded_state(actor, is_loading=True, with_optimizer=load_optimizer))
     loaded = dist_checkpointing.load(state, str(path))
-    unwrap(actor.model).load_state_dict(loaded["model"])
+    load_part(actor, loaded["model"], adapters=True)
     if load_optimizer and actor.trainable:
         actor.optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(actor)
@@ -279,7 +284,7 @@ def load_weights(actor: Actor, directory: str | Path) -> None:
     path = Path(directory)
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {COMPLETE})")
-    state = _merge_in_place(_sharded_state(actor, is_loading=True, with_optimizer=False))
-    unwrap(actor.model).load_state_dict(dist_checkpointing.load(state, str(path))["model"])
+    state = _merge_in_place(_sharded_state(actor, is_loading=True, with_optimizer=False, base=True))
+    load_part(actor, dist_checkpointing.load(state, str(path))["model"], adapters=False)
     if actor.trainable:
         actor.optimizer.reload_model_params()   # fp32 master weights follow the loaded weights

@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config.schema import RecipeConfig
+from .lora import StageParams, stage_params
 from .params import Block, Dims, Layer, ModelParams, PlannerError, Shard
 
 GB = 1e9
@@ -103,6 +104,10 @@ class Layout:
     param_bytes: int
     reference: bool
     max_tokens_per_microbatch: int | None = None
+    lora_rank: int = 0
+    """LoRA rank; 0 trains the full model (see `lora.py` for what a frozen base costs)."""
+    lora_targets: tuple[str, ...] = ()
+    base_quantization: str = "none"
 
     @classmethod
     def from_recipe(cls, cfg: RecipeConfig) -> Layout:
@@ -120,7 +125,9 @@ class Layout:
                    global_batch_size=t.global_batch_size,
                    seq_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
                    param_bytes=DTYPE_BYTES[cfg.model.params_dtype],
-                   reference=cfg.model.reference != "none", max_tokens_per_microbatch=t.max_tokens_per_microbatch)
+                   reference=cfg.model.reference != "none", max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+                   lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.targets),
+                   base_quantization=cfg.lora.base_quantization)
 
     @property
     def dp(self) -> int:
@@ -290,16 +297,18 @@ def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb
     layers, blocks = stage_blocks(params, stage, lay.pp)
     dense, expert = _sharded(blocks, lay)
     n = dense + expert
-    optimizer = optimizer_bytes(dense, expert, lay)
+    sp = stage_params(params, layers, blocks, lay.tp, lay.ep, lay.etp, lay.param_bytes, lay.lora_rank,
+                      lay.lora_targets, lay.base_quantization)
+    trained = sp.trainable_dense + sp.trainable_expert
+    optimizer = optimizer_bytes(sp.trainable_dense, sp.trainable_expert, lay)
     on_host = optimizer * lay.optimizer_offload_fraction
     acts = stage_activation_bytes(layers, params, lay, in_flight_microbatches(lay, stage))
     logits = 0.0
     if stage == lay.pp - 1:
         logits = 6 * lay.microbatch_tokens / lay.cp * params.dims.vocab / lay.tp
     terms = [
-        Term("weights", "actor weights", n * lay.param_bytes / GB,
-             f"{n / 1e9:.2f} B params on this GPU"),
-        Term("gradients", "gradients (fp32 main grads)", n * GRAD_BYTES / GB),
+        Term("weights", "actor weights", sp.weight_bytes / GB, _weights_note(n, sp, lay)),
+        Term("gradients", "gradients (fp32 main grads)", trained * GRAD_BYTES / GB),
         Term("optimizer", "optimizer (Adam m, v, fp32 master)",
              (optimizer - on_host) / GB,
              f"offloaded: {on_host / GB:.1f} GB in host memory" if lay.optimizer_offload else ""),
@@ -307,11 +316,22 @@ def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb
              f"{len(layers)} layers × {in_flight_microbatches(lay, stage):g} micro-batch(es) "
              "in flight"),
         Term("logits", "logits (last stage)", logits / GB),
-        Term("reference", "reference model (bf16)", n * lay.param_bytes / GB if lay.reference else 0.0),
+        # With LoRA the reference is the base with the adapters off: no second copy.
+        Term("reference", "reference model (bf16)",
+             n * lay.param_bytes / GB if lay.reference and not lay.lora_rank else 0.0),
+        Term("dequantized", "dequantized base weight (transient)", sp.transient_bytes / GB),
         Term("vllm", "vLLM (colocated)", colocated_vllm_gb),
         Term("overhead", "CUDA context, NCCL, fragmentation", OVERHEAD_GB),
     ]
     return StageMemory(stage, len(layers), tuple(terms), on_host / GB)
+
+
+def _weights_note(n: float, sp: StageParams, lay: Layout) -> str:
+    if not lay.lora_rank:
+        return f"{n / 1e9:.2f} B params on this GPU"
+    quant = f", {sp.quantized / 1e9:.2f} B of it in {lay.base_quantization}" if sp.quantized else ""
+    return (f"frozen base {sp.frozen / 1e9:.2f} B params{quant}; "
+            f"LoRA r{lay.lora_rank} adapters {sp.trainable_dense / 1e6:.1f} M")
 
 
 def worst_stage(params: ModelParams, lay: Layout, colocated_vllm_gb: float) -> StageMemory:

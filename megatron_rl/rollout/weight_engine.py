@@ -77,7 +77,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         initialize_layerwise_reload(self.model)
         if self.moe_load == "in_place" and self.device.type == "cpu":
             _experts_out_of_reload(self.model)
-        self.round = {"version": None, "tensors": 0}
+        self.round = {"version": None, "tensors": 0, "names": []}
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
@@ -87,6 +87,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             cast(Any, self.model).load_weights(_views(update_info.tensors, segments))
         self.round["version"] = int(update_info.version)
         self.round["tensors"] += len(update_info.tensors)
+        self.round["names"] += [t[0] for t in update_info.tensors]
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -94,7 +95,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
         if not self.round.get("tensors"):
             return      # every layer kept its packed tensors: packing them again would corrupt them
-        repacked = _repack_cpu_moe(self.model)
+        repacked = _repack_cpu_moe(self.model, self.round["names"])
         LOADED.update(version=self.round["version"], tensors=self.round["tensors"], moe_layers_repacked=repacked)
 
     def shutdown(self) -> None:

@@ -56,7 +56,7 @@ class WorkerExtension:
         # The worker's own reload_weights, not the model runner's: it enters vLLM's config
         # context, which some GPU MoE paths assert (get_current_vllm_config).
         self.reload_weights(weights_iterator=_views(spec["tensors"], segments), is_checkpoint_format=True)
-        repacked = _repack_cpu_moe(self.model_runner.get_model())
+        repacked = _repack_cpu_moe(self.model_runner.get_model(), [t[0] for t in spec["tensors"]])
         LOADED.update(version=int(version), tensors=len(spec["tensors"]), moe_layers_repacked=repacked)
         return dict(LOADED)
 
@@ -130,12 +130,17 @@ def _views(tensors: list[list[Any]], segments: list[torch.Tensor]) -> Iterator[t
         yield name, segments[segment][offset:offset + n].view(dt).view(shape)
 
 
-def _repack_cpu_moe(model: torch.nn.Module) -> int:
-    """Re-run the CPU grouped-GEMM repacking of every fused-MoE layer after new weights landed."""
+def _repack_cpu_moe(model: torch.nn.Module, names: list[str]) -> int:
+    """Re-run the CPU grouped-GEMM repacking of every fused-MoE layer whose weights landed. A layer
+    the update left out (LoRA syncs only attention) keeps its packed tensors: packing them again
+    would scramble them."""
     if torch.cuda.is_available():
         return 0
+    landed = {n[:i] for n in names for i, c in enumerate(n) if c == "."}    # every module prefix
     count = 0
-    for module in model.modules():
+    for prefix, module in model.named_modules():
+        if prefix not in landed:
+            continue
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)

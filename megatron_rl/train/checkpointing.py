@@ -18,6 +18,7 @@ from ..megatron.checkpoint import (
     remove_partial_checkpoints,
     save_checkpoint,
 )
+from . import lora_run
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ def save(session: Any, step: int, version: int) -> Path:
     root = session.run_dir / "checkpoints"
     extra = {"step": step, "order": session.order.state(), "version": version,
              "sft_order": session.sft_order.state() if session.sft_order else None,
-             "py_random": _encode_random_state()}
+             "py_random": _encode_random_state(),
+             **lora_run.checkpoint_extra(session.cfg, session.init.path, session.hf_dir)}
     path = save_checkpoint(session.actor, root / f"step_{step:08d}", extra)
     if session.rank0:
         prune_checkpoints(root, session.cfg.checkpoint.keep_last)
@@ -49,6 +51,7 @@ def resume(session: Any) -> Resumed | None:
     latest = latest_checkpoint(session.run_dir / "checkpoints")
     if latest is None:
         return None
+    lora_run.check_resume(session.cfg, latest, session.init.path)
     extra = load_checkpoint(session.actor, latest)
     session.order.load(extra["order"])
     if session.sft_order and extra.get("sft_order"):

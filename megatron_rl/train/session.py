@@ -29,6 +29,7 @@ from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
 from ..weights.sync import Transport
 from ..weights.transport_engine import make_transport
+from . import lora_run
 from .data_order import DataOrder
 from .placement import start_node_servers
 from .run_control import Stop
@@ -62,9 +63,10 @@ class Session:
         init_parallel(cfg.parallelism, t.seed)
         recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
-                           t.max_tokens_per_microbatch)
+                           t.max_tokens_per_microbatch, lora=cfg.lora)
         _load_init(self.actor, self.init.path)
-        self.reference = self._reference(recipe) if a.kl_beta > 0 else None
+        self.reference: Any = None if a.kl_beta <= 0 else \
+            lora_run.BaseReference(self.actor) if lora_run.uses_base_reference(cfg) else self._reference(recipe)
         self.sft = load_sft_tokens(_require(cfg.data.sft_path, "data.sft_path"), self.tokenizer,
                                    cfg.data.on_malformed) if cfg.algorithm.name == "chord" else None
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)

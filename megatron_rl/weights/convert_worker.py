@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config.schema import LoraConfig
 from ..megatron.actor import Actor, init_parallel
 from ..megatron.checkpoint import COMPLETE, load_checkpoint, save_checkpoint
+from ..megatron.lora import merged_deltas
 from ..megatron.providers import ParallelLayout, build_model_recipe
 from ..model_config import ModelConfigError, read_hf_config
 from .adapters import Entry, WeightAdapter, adapter_for
 from .convert import HF_TO_MCORE, ConversionError, ConvertJob, ConvertLayout, stats_payload, write_error
 from .hf_io import SIDE_FILES, CheckpointError, HFCheckpointReader
+from .lora_sync import load_recorded_base, lora_config
 from .progress import ByteProgress
 from .sharding import LocalParam, gather_hf_layers, load_full_tensors, local_params
 from .stream_io import PlannedHFWriter, TensorInfo, checkpoint_tensor_infos, lossless_dtype
@@ -57,7 +61,8 @@ def parallel_layout(layout: ConvertLayout) -> ParallelLayout:
                           sequence_parallel=layout.tp > 1)
 
 
-def frozen_model(hf: dict[str, Any], layout: ConvertLayout, dtype: torch.dtype) -> Actor:
+def frozen_model(hf: dict[str, Any], layout: ConvertLayout, dtype: torch.dtype,
+                 lora: LoraConfig | None = None) -> Actor:
     """This rank's shard of the model, without optimizer and without random initialisation."""
     pl = parallel_layout(layout)
     try:
@@ -67,7 +72,7 @@ def frozen_model(hf: dict[str, Any], layout: ConvertLayout, dtype: torch.dtype) 
         world = dist.get_world_size() if dist.is_initialized() else "?"
         raise ConversionError(f"cannot build the model at {layout} on {world} worker(s): {exc}") from exc
     recipe.config.perform_initialization = False     # every weight is overwritten: skip the RNG work
-    return Actor(recipe, 1, None)
+    return Actor(recipe, 1, None, lora=lora)
 
 
 def full_shape(p: LocalParam) -> tuple[int, ...]:
@@ -256,7 +261,10 @@ def mcore_to_hf(job: ConvertJob) -> dict[str, Any]:
     recorded = json.loads((side / WEIGHT_DTYPES).read_text()) if (side / WEIGHT_DTYPES).is_file() else {}
     params_dtype = (_dtype(extra.get("params_dtype")) or _dtype(hf.get("dtype") or hf.get("torch_dtype"))
                     or torch.float32)
-    actor = frozen_model(hf, job.layout, params_dtype)
+    lora = extra.get("lora")    # a LoRA checkpoint: adapters only, merged into their base below
+    actor = frozen_model(hf, job.layout, params_dtype, lora_config(lora))
+    if lora is not None:
+        load_recorded_base(actor, lora, str(src))
     load_checkpoint(actor, src, load_optimizer=False)
     load_s = time.perf_counter() - start
     shapes, unmapped = model_tensors(adapter, local_params(actor.model))
@@ -269,7 +277,8 @@ def mcore_to_hf(job: ConvertJob) -> dict[str, Any]:
     if forced is not None:
         hf = {**hf, **{k: job.dtype for k in ("dtype", "torch_dtype") if k in hf}}
     config = hf if (job.hf_config or forced is not None or not side.is_dir()) else None
-    write_s = _stream_to_hf(actor, adapter, plan, out, job, side if side.is_dir() else None, config)
+    with merged_deltas(actor.model) if lora is not None else nullcontext():
+        write_s = _stream_to_hf(actor, adapter, plan, out, job, side if side.is_dir() else None, config)
     return {"direction": "mcore-to-hf", "bytes": sum(t.nbytes for t in plan), "load_seconds": load_s,
             "write_seconds": write_s, "seconds": time.perf_counter() - start}
 

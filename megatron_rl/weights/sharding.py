@@ -28,7 +28,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 """TE's grouped-GEMM experts (`TEGroupedMLP`): expert i's weight is `experts.linear_fc1.weight{i}`."""
-from ..megatron.sections import GDN_SHARDED_KEYS, TP_SECTIONS_ATTR  # noqa: E402  (beside the providers that set them)
+from ..megatron.quantize import dequantize  # noqa: E402
+from ..megatron.sections import GDN_SHARDED_KEYS, LORA_PARAM_ATTR, TP_SECTIONS_ATTR  # noqa: E402  (beside the providers that set them)
 
 
 @dataclass
@@ -110,6 +111,8 @@ def local_params(model: torch.nn.Module) -> list[LocalParam]:
     for name, param in gpt.named_parameters():
         if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
             continue   # a copy of the embedding on the last stage, not a weight of its own
+        if getattr(param, LORA_PARAM_ATTR, False):
+            continue   # an adapter: no weight of the base model (see megatron/lora.py)
         layer = None
         global_name = local_spec_name(name)
         m = _LAYER.match(global_name)
@@ -173,7 +176,7 @@ def unshard(p: LocalParam) -> torch.Tensor | None:
     An unsharded parameter comes back as itself (detached, not copied): read it, copy it, but do
     not keep it across an optimizer step or write into it.
     """
-    local = p.param.detach()
+    local = dequantize(p.param.detach())      # a QLoRA base leaves dense (its NF4 image), shard by shard
     if p.tp_dim is None or p.tp_size == 1:
         return local
     local = local.contiguous()
@@ -215,18 +218,19 @@ GATHER_CHUNK_BYTES = 32 << 20
 """Rank 0 takes a layer in parts of about this many bytes (one tensor may exceed it)."""
 
 
-def gather_to_rank0(model: torch.nn.Module, layers: list[int | None],
-                    chunk_bytes: int = GATHER_CHUNK_BYTES) -> Iterator[dict[str, torch.Tensor]]:
+def gather_to_rank0(model: torch.nn.Module, layers: list[int | None], chunk_bytes: int = GATHER_CHUNK_BYTES,
+                    only: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Per layer (global order), all global tensors collected on global rank 0 ({} elsewhere), in
     parts of about `chunk_bytes`: a layer of a 128-expert model, or a 151,936-row embedding, is GBs.
     Each rank unshards its parameters a part at a time too, and only the first data-parallel
     replica unshards at all.
 
     Each rank contributes the tensors it owns. Every rank yields once per part, in step.
+    `only`: just these global names (LoRA's touched tensors); layers without one yield nothing.
     """
     by_layer: dict[int | None, list[LocalParam]] = {}
     for p in local_params(model):
-        if p.in_first_replica():
+        if p.in_first_replica() and (only is None or p.global_name in only):
             by_layer.setdefault(p.layer, []).append(p)
     world_rank = dist.get_rank()
     device = next(unwrap(model).parameters()).device
@@ -312,13 +316,14 @@ def _runs(items: list[T], nbytes: Callable[[T], int], limit: int) -> list[list[T
     return runs
 
 
-def gather_hf_layers(model: torch.nn.Module, adapter: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def gather_hf_layers(model: torch.nn.Module, adapter: Any,
+                     only: set[str] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Per part of a layer (global order, see `gather_to_rank0`), the full HF-named tensors on
     global rank 0 ([] elsewhere).
 
     Collective over all ranks; the one path by which weights leave Megatron (sync, export,
     conversion), so they all go through the same weight map.
     """
-    for part in gather_to_rank0(model, adapter.layers()):
+    for part in gather_to_rank0(model, adapter.layers(), only=only):
         yield [pair for name, tensor in part.items()
                for pair in adapter.to_hf(adapter.entry_for_mcore(name), tensor)]

@@ -67,8 +67,9 @@ class SyncReport:
 
 
 def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Transport | None, version: int,
-                 dtype: torch.dtype) -> SyncReport | None:
-    """Send every weight to the server (rank 0 returns the report; other ranks return None)."""
+                 dtype: torch.dtype, only: set[str] | None = None) -> SyncReport | None:
+    """Send every weight (or the global names in `only`) to the server (rank 0 returns the report;
+    other ranks return None)."""
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
     if rank0:
@@ -78,7 +79,7 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
     total = sends = 0
     names: list[str] = []
     try:
-        for layer in gather_hf_layers(model, adapter):
+        for layer in gather_hf_layers(model, adapter, only):
             if sender is None:
                 continue
             tensors = {name: tensor.to(dtype) for name, tensor in layer}

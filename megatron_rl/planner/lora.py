@@ -1,0 +1,131 @@
+"""Bytes of LoRA and QLoRA trainers: a frozen (optionally 4-bit) base plus small trainable adapters.
+
+Pure Python, like the rest of the planner. With `lora.rank` r > 0 (see `megatron/lora.py`):
+
+* the base has no gradient and no optimizer state: only its weights count, in the training dtype,
+  or — with `base_quantization: nf4` (`megatron/quantize.py`) — the linear layers' weights in NF4:
+  4-bit codes (1/2 byte), one int8 scale per NF4_BLOCK weights and, for every NF4_SCALER_BLOCK
+  scales, one factor in the original dtype (QLoRA's double quantization). Norms, the router, the
+  embedding, the output layer and the small Gated DeltaNet tensors stay in the training dtype;
+* adapters (PEFT's layout: q, k and v each their own A [r × h] and B [out × r]; o's A [r × a·d],
+  B [h × r]) follow their base layer's split: on q/k/v (column-parallel) A is replicated and B
+  split over TP, on o (row-parallel) A is split and B replicated. They have weights, fp32 grads
+  and Adam states like any trained parameter, sharded by the distributed optimizer over DP;
+* the reference policy is the base with the adapters switched off: no second copy;
+* a quantized layer is dequantized for its matmul, forward and backward: the largest linear
+  weight of a GPU exists once more, briefly, in the training dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .params import Block, Dims, Layer, ModelParams, Shard
+
+NF4_BLOCK = 64
+"""Weights per 4-bit block with one scale (QLoRA's and torchao's default)."""
+NF4_SCALER_BLOCK = 256
+"""Block scales per double-quantization block, at most (small layers use the largest divisor)."""
+QUANTIZED_COMPONENTS: tuple[str, ...] = ("attention", "linear_attention", "dense_mlp", "moe_experts",
+                                         "shared_experts")
+"""Components whose TP/EXPERT-sharded weights are linear layers (`quantize.py` quantizes every
+frozen ColumnParallelLinear / RowParallelLinear but the output layer)."""
+
+
+def nf4_scaler_block(num_blocks: int) -> int:
+    """The largest divisor of the block count up to NF4_SCALER_BLOCK (torchao needs whole
+    second-level blocks)."""
+    return next(s for s in range(min(NF4_SCALER_BLOCK, num_blocks), 0, -1) if num_blocks % s == 0)
+
+
+def nf4_bytes(numel: int, orig_bytes: int) -> int:
+    """Bytes of one NF4 tensor of `numel` weights (a multiple of NF4_BLOCK), quantized from a
+    dtype of `orig_bytes` bytes, but for torchao's per-tensor constants (a 16-entry code table and
+    the mean of the scales, < 70 bytes)."""
+    blocks = numel // NF4_BLOCK
+    return numel // 2 + blocks + (blocks // nf4_scaler_block(blocks)) * orig_bytes
+
+
+def nf4_bytes_per_param(orig_bytes: int) -> float:
+    """The same for a large tensor (whole second-level blocks)."""
+    return 0.5 + 1 / NF4_BLOCK + orig_bytes / (NF4_BLOCK * NF4_SCALER_BLOCK)
+
+
+QUANT_SCHEMES: tuple[str, ...] = ("nf4",)
+
+
+def adapter_params(d: Dims, gated: bool, rank: int, targets: Sequence[str], tp: int) -> tuple[int, float]:
+    """(total, this GPU's share) adapter parameters of one full-attention layer."""
+    q_out = d.heads * d.head_dim * (2 if gated else 1)
+    kv_out = d.kv_heads * d.head_dim
+    total, per_gpu = 0, 0.0
+    for target, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+        if target in targets:
+            total += rank * (d.hidden + out)
+            per_gpu += rank * d.hidden + rank * out / tp
+    if "o" in targets:
+        total += rank * (d.heads * d.head_dim + d.hidden)
+        per_gpu += rank * d.heads * d.head_dim / tp + rank * d.hidden
+    return total, per_gpu
+
+
+def total_adapter_params(params: ModelParams, rank: int, targets: Sequence[str]) -> int:
+    full = sum(1 for layer in params.layers if layer.mixer == "full_attention")
+    return full * adapter_params(params.dims, params.spec.gated_attention, rank, targets, 1)[0]
+
+
+def largest_linear(d: Dims, gated: bool, layers: Sequence[Layer], tp: int, etp: int) -> float:
+    """Parameters of the largest single linear weight on one GPU (the one dequantized at a time)."""
+    q_out = d.heads * d.head_dim * (2 if gated else 1)
+    sizes = [0.0]
+    mixers, ffns = {layer.mixer for layer in layers}, {layer.ffn for layer in layers}
+    if "full_attention" in mixers:
+        sizes += [d.hidden * (q_out + 2 * d.kv_heads * d.head_dim) / tp, d.heads * d.head_dim * d.hidden / tp]
+    if "linear_attention" in mixers:
+        sizes.append(d.hidden * (2 * d.lin_key_heads * d.lin_key_dim + 2 * d.lin_value_heads * d.lin_value_dim) / tp)
+    if "dense" in ffns:
+        sizes.append(2 * d.hidden * d.intermediate / tp)            # fc1: gate and up
+    if "moe" in ffns:
+        sizes += [2 * d.hidden * d.moe_intermediate / etp, 2 * d.hidden * d.shared_intermediate / tp]
+    return max(sizes)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """What one GPU of a pipeline stage holds as parameters, and what of it trains."""
+
+    weight_bytes: float
+    trainable_dense: float
+    """Trained parameters sharded like dense ones (DP) — the adapters, or the whole dense model."""
+    trainable_expert: float
+    """Trained expert parameters (expert DP); 0 with LoRA on attention."""
+    frozen: float
+    """Base parameters without gradient or optimizer state."""
+    quantized: float
+    """Of those, parameters stored quantized."""
+    transient_bytes: float
+    """Dequantized copy of the largest quantized linear, live during its matmul."""
+
+
+def _quantizable(b: Block) -> bool:
+    return b.component in QUANTIZED_COMPONENTS and b.shard is not Shard.REPLICATED
+
+
+def stage_params(params: ModelParams, layers: Sequence[Layer], blocks: Sequence[Block], tp: int, ep: int,
+                 etp: int, param_bytes: int, rank: int, targets: Sequence[str],
+                 quantization: str) -> StageParams:
+    """Per-GPU parameter bytes of one stage: the full model when `rank` is 0, else base + adapters."""
+    dense = sum(b.per_gpu(tp, ep, etp) for b in blocks if b.shard is not Shard.EXPERT)
+    expert = sum(b.per_gpu(tp, ep, etp) for b in blocks if b.shard is Shard.EXPERT)
+    if rank == 0:
+        return StageParams((dense + expert) * param_bytes, dense, expert, 0.0, 0.0, 0.0)
+    d, gated = params.dims, params.spec.gated_attention
+    full = sum(1 for layer in layers if layer.mixer == "full_attention")
+    adapters = full * adapter_params(d, gated, rank, targets, tp)[1]
+    quantized = transient = 0.0
+    if quantization in QUANT_SCHEMES:
+        quantized = sum(b.per_gpu(tp, ep, etp) for b in blocks if _quantizable(b))
+        transient = largest_linear(d, gated, layers, tp, etp) * param_bytes if quantized else 0.0
+    base = (dense + expert - quantized) * param_bytes + quantized * nf4_bytes_per_param(param_bytes)
+    return StageParams(base + adapters * param_bytes, adapters, 0.0, dense + expert, quantized, transient)
