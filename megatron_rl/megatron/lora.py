@@ -89,7 +89,10 @@ class _Adapter(nn.Module):
     """Shared state: on/off switch, scale, the hooked base linear (not a child: its weight stays
     where the weight map expects it)."""
 
-    def __init__(self, base: nn.Module, weight_name: str, scale: float) -> None:
+    a: nn.Parameter
+    b: nn.Parameter
+
+    def __init__(self, base: Any, weight_name: str, scale: float) -> None:
         super().__init__()
         self.scale = scale
         self.enabled = True
@@ -135,7 +138,7 @@ class ColumnAdapter(_Adapter):
     """LoRA on a column-parallel fused linear whose local output is `groups` blocks of `sections`
     rows each (linear_qkv: [q; k; v] per local query group). One (A_s, B_s) per targeted section."""
 
-    def __init__(self, base: nn.Module, weight_name: str, cfg: LoraConfig, groups: int,
+    def __init__(self, base: Any, weight_name: str, cfg: LoraConfig, groups: int,
                  sections: list[tuple[str, int]], targeted: list[str], seed: int) -> None:
         super().__init__(base, weight_name, cfg.alpha / cfg.rank)
         w = base.weight
@@ -186,7 +189,7 @@ class RowAdapter(_Adapter):
     """LoRA on a row-parallel linear (linear_proj, "o"): A split on the input like the weight, B
     replicated; the rank-r product is reduced over TP (reduce-scattered over the sequence under SP)."""
 
-    def __init__(self, base: nn.Module, weight_name: str, cfg: LoraConfig, seed: int) -> None:
+    def __init__(self, base: Any, weight_name: str, cfg: LoraConfig, seed: int) -> None:
         super().__init__(base, weight_name, cfg.alpha / cfg.rank)
         w = base.weight
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -244,7 +247,7 @@ def apply_lora(model: nn.Module | list[nn.Module], cfg: LoraConfig, seed: int = 
             report.frozen += p.numel()
         for layer, attn in _attention_layers(gpt):
             prefix = f"decoder.layers.{layer}.self_attention"
-            qkv = [t for t in ("q", "k", "v") if t in cfg.targets]
+            qkv: list[str] = [t for t in ("q", "k", "v") if t in cfg.targets]
             if qkv:
                 groups, sections = _qkv_sections(attn)
                 attn.lora_qkv = ColumnAdapter(attn.linear_qkv, f"{prefix}.linear_qkv.weight", cfg, groups,

@@ -117,13 +117,15 @@ def require_eos(tokenizer: Any, what: str) -> int:
 
 def export_hf(actor_model: torch.nn.Module, adapter: Any, src_hf_dir: str, out_dir: Path) -> None:
     """Final HF export (collective; rank 0 writes) through the same weight map as the sync."""
+    from ..megatron.lora import merged_deltas
     from ..weights.hf_io import HFCheckpointWriter
     from ..weights.sharding import gather_hf_layers
 
     writer = HFCheckpointWriter(out_dir) if dist.get_rank() == 0 else None
-    for layer in gather_hf_layers(actor_model, adapter):
-        if writer is not None:
-            writer.add_many(layer)
+    with merged_deltas(actor_model):        # LoRA: W + ΔW (a no-op without adapters)
+        for layer in gather_hf_layers(actor_model, adapter):
+            if writer is not None:
+                writer.add_many(layer)
     if writer is not None:
         writer.finish(side_files_from=src_hf_dir)
     dist.barrier()
