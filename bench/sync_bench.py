@@ -80,7 +80,7 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sync import sync_weights  # noqa: E402
-from megatron_rl.weights.transport_engine import SharedSegmentTransport  # noqa: E402
+from megatron_rl.weights.transport_engine import MOE_LOAD, SharedSegmentTransport  # noqa: E402
 from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
 
 # ~491 MB fp32 Qwen3-MoE (all dims multiples of 32, head_dim 64). Exact count, see hf_param_count:
@@ -299,7 +299,7 @@ def summarize_baselines(rounds: list[dict[str, tuple[float, float, float, int]]]
 
 
 def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, bucket_bytes: int,
-                engine: bool = True, moe_load: str = "layerwise") -> dict[str, Any]:
+                engine: bool = True, moe_load: str = MOE_LOAD) -> dict[str, Any]:
     from tests.rollout_fixtures import start_server, tiny_model_with_tokenizer
 
     load_before = os.getloadavg()
@@ -389,7 +389,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--bucket-mb", type=int, default=512, help="MiB per segment (RolloutConfig.sync_bucket_mb default)")
     ap.add_argument("--transport", choices=("engine", "rpc"), default="engine")
-    ap.add_argument("--moe-load", choices=("layerwise", "in_place"), default="layerwise",
+    ap.add_argument("--moe-load", choices=("layerwise", "in_place"), default=MOE_LOAD,
                     help="engine only: how the server loads the MoE experts (rollout/weight_engine.py)")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()

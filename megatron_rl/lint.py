@@ -246,6 +246,16 @@ def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return []
 
 
+@rule("weight-transfer")
+def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    r = cfg.rollout
+    if r.weight_transfer == "ipc" and r.placement != "colocated":
+        return [Finding("error", "weight-transfer", "rollout.weight_transfer",
+                        "'ipc' shares GPU memory on the trainer's node: it needs placement 'colocated' "
+                        "(use 'nccl' or 'shm' for rollout nodes)")]
+    return []
+
+
 @rule("rollout-server-fits-a-node")
 def _server_per_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     # vLLM is started once per node (the sbatch script's rollout step, or each trainer node's first

@@ -146,6 +146,14 @@ def test_rollout_placement() -> None:
     assert "rollout-placement" not in findings("grpo.yaml", "rollout.placement=disaggregated", "rollout.nodes=1")
 
 
+def test_ipc_weight_transfer_needs_colocated_servers() -> None:
+    assert "weight-transfer" in findings("grpo.yaml", "rollout.weight_transfer=ipc", "rollout.placement=disaggregated",
+                                         "rollout.nodes=1")
+    assert "weight-transfer" not in findings("grpo.yaml", "rollout.weight_transfer=ipc")
+    assert "weight-transfer" not in findings("grpo.yaml", "rollout.weight_transfer=nccl",
+                                             "rollout.placement=disaggregated", "rollout.nodes=1")
+
+
 def test_a_rollout_server_must_fit_one_node() -> None:
     rule = "rollout-server-fits-a-node"
     gpu_job = "slurm.gpus_per_node=null"                 # = parallelism.gpus_per_node (1 in the tiny recipes)
