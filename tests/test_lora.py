@@ -131,3 +131,27 @@ def test_lora_sync_sends_only_adapted_tensors_and_server_agrees(tmp_path: Path) 
             assert r[f"before_{i}"] > 100 * SYNC_TOLERANCE, (layout, i, r)
             assert r[f"after_{i}"] <= SYNC_TOLERANCE, (layout, i, r)
             assert r[f"tensors_{i}"] == r[f"server_{i}"]["tensors"] == touched, (layout, i, r)
+
+
+def test_resume_refuses_adapters_of_another_base_or_shape(tmp_path: Path) -> None:
+    from megatron_rl.config import load_recipe
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()          # what `megatron-rl train` does before importing the trainer
+    from megatron_rl.train.lora_run import check_resume
+    from megatron_rl.weights.lora_sync import lora_record
+
+    base = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "base", seed=0)
+    other = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "other", seed=1)
+    (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes() + b"\0")  # other size
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    (ckpt / "complete.json").write_text(json.dumps({"extra": lora_record(8, 16.0, ["q", "k", "v", "o"], base, base)}))
+    cfg = load_recipe(REPO / "recipes/tiny/grpo_lora.yaml")
+    check_resume(cfg, ckpt, str(base))                                  # its own base: fine
+    with pytest.raises(ValueError, match="trained on the base"):
+        check_resume(cfg, ckpt, str(other))
+    with pytest.raises(ValueError, match="rank, alpha, targets"):
+        check_resume(load_recipe(REPO / "recipes/tiny/grpo_lora.yaml", ["lora.rank=4"]), ckpt, str(base))
+    with pytest.raises(ValueError, match="does not train LoRA"):
+        check_resume(load_recipe(REPO / "recipes/tiny/grpo.yaml"), ckpt, str(base))
