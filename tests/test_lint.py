@@ -207,4 +207,8 @@ def test_lora_targets() -> None:
     assert findings("grpo.yaml", "lora.rank=8", "lora.targets=[]")["lora-targets"][0].startswith("error|lora.targets|")
     got = findings("grpo.yaml", "lora.rank=8", "lora.targets=[q,gdn,experts]")["lora-targets"]
     assert any("'gdn'" in m and "no Gated DeltaNet" in m for m in got)        # tiny MoE: no GDN
-    assert any("'experts'" in m and "no adapter code path" in m for m in got)  # it has experts
+    assert not any("'experts'" in m for m in got)                           # it has experts
+    assert "lora-targets" not in findings("grpo.yaml", "lora.rank=8", "lora.targets=[q,v,experts]")
+    got = findings("grpo.yaml", "lora.rank=8", "lora.targets=[experts]", "parallelism.gpus_per_node=2",
+                   "parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true")["lora-targets"]
+    assert got[0].startswith("error|parallelism.expert_tensor_parallel_size|")

@@ -33,25 +33,27 @@ def _fields(kind: str) -> dict:
     from tests.test_megatron_parallel import DENSE_FIELDS
     from tests.test_qwen3_next import TINY_QWEN3_NEXT
 
-    return {"moe": TINY_FIELDS, "dense": DENSE_FIELDS, "next": TINY_QWEN3_NEXT}[kind]
+    return {"moe": TINY_FIELDS, "moe_experts": TINY_FIELDS, "dense": DENSE_FIELDS, "next": TINY_QWEN3_NEXT}[kind]
 
 
 def _max_diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in b)
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "next"])
+@pytest.mark.parametrize("kind", ["moe", "moe_experts", "dense", "next"])
 def test_lora_layouts_give_the_same_loss_and_gradients(kind: str, tmp_path: Path) -> None:
     hf_dir = build_tiny_hf_checkpoint(_fields(kind), tmp_path / kind, seed=0)
     out = tmp_path / "lora.json"
     torchrun("lora_layouts_worker.py", str(hf_dir), kind, str(out))
     result = json.loads(out.read_text())
     expected = {"moe": {"tp1", "tp2_sp", "pp2", "ep2", "tp2_ep2_etp1"}, "dense": {"tp1", "tp2", "tp2_sp", "pp2"},
-                "next": {"tp1", "tp2_sp", "pp2"}}[kind]
+                "next": {"tp1", "tp2_sp", "pp2"}, "moe_experts": {"tp1", "pp2", "ep2", "tp2_ep2_etp1"}}[kind]
     assert set(result) == expected
     ref = result["tp1"]
-    # One q/k/v and one o adapter per attention layer (Qwen3-Next: every 2nd layer is attention).
-    assert len(ref["grads"]) == 2 * 2 * 2 and len(ref["touched"]) == 2 * 2
+    # One q/k/v and one o adapter per attention layer (Qwen3-Next: every 2nd layer is attention);
+    # with experts also one gate/up and one down adapter per expert (2 layers × 4 experts).
+    adapters = 2 * 2 + (2 * 4 * 2 if kind == "moe_experts" else 0)
+    assert len(ref["grads"]) == 2 * adapters and len(ref["touched"]) == adapters
     grad_scale = max(torch.tensor(g).abs().max().item() for g in ref["grads"].values())
     assert grad_scale > 1e-3
     for name, g in ref["grads"].items():      # B starts at 0: A's first gradient is 0, B's is not
