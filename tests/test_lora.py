@@ -73,7 +73,8 @@ def test_lora_layouts_give_the_same_loss_and_gradients(kind: str, tmp_path: Path
         assert got["merged_diff"] <= MERGE_ATOL, layout
 
 
-def test_lora_checkpoint_resumes_exactly_and_converts_merged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "experts"])
+def test_lora_checkpoint_resumes_exactly_and_converts_merged(experts: bool, tmp_path: Path) -> None:
     """A LoRA checkpoint is the adapters and their Adam state only (+ the base's fingerprint): it
     resumes bit-exactly at the saving layout, reshards onto others, and `convert mcore-to-hf`
     merges it into its recorded base, changing exactly the adapted HF tensors."""
@@ -87,10 +88,10 @@ def test_lora_checkpoint_resumes_exactly_and_converts_merged(tmp_path: Path) -> 
 
     hf_dir = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "base", seed=0)
     ckpt, out = tmp_path / "ckpt", tmp_path / "ckpt.json"
-    torchrun("lora_checkpoint_worker.py", str(hf_dir), str(ckpt), str(out))
+    torchrun("lora_checkpoint_worker.py", str(hf_dir), str(ckpt), str(out), *(["experts"] if experts else []))
     r = json.loads(out.read_text())
     assert r["moved"] > 1e-2                                   # the second step changed the policy
-    assert r["tp2_sp"] == {"loaded_diff": 0.0, "resumed_diff": 0.0}     # same layout: bit-exact
+    assert r[r["saver"]] == {"loaded_diff": 0.0, "resumed_diff": 0.0}     # same layout: bit-exact
     for layout in ("pp2", "tp1"):                              # resharded: fp32 reduction order only
         assert all(v <= 2e-6 for v in r[layout].values()), (layout, r[layout])
     keys = {k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k != "common_state/shard_0_1"}
@@ -106,7 +107,11 @@ def test_lora_checkpoint_resumes_exactly_and_converts_merged(tmp_path: Path) -> 
     assert sorted(got) == sorted(expected) == sorted(base)
     assert max((got[k] - expected[k]).abs().max().item() for k in got) <= 1e-6
     changed = sorted(k for k in base if not torch.equal(base[k], got[k]))
-    assert changed == sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo")
+    adapted = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo"]
+    if experts:      # EP2-saved expert adapters, merged at TP1/EP1
+        adapted += [f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in range(2) for e in range(4)
+                    for p in ("gate", "up", "down")]
+    assert changed == sorted(adapted)
 
 
 SYNC_TOLERANCE = 1e-4   # as test_weight_sync: fp32 on CPU, kernel round-off only (~1e-6 seen)

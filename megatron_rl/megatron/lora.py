@@ -388,7 +388,9 @@ def adapters_disabled(model: nn.Module | list[nn.Module]) -> Iterator[None]:
 @contextmanager
 def merged_deltas(model: nn.Module | list[nn.Module]) -> Iterator[set[str]]:
     """Each adapted base weight holds W + ΔW (adapters off meanwhile, so a forward inside is the
-    merged model, not W + 2ΔW); yields the touched global names; restores W exactly."""
+    merged model, not W + 2ΔW); yields the touched global names; restores W exactly. Tensors read
+    inside may alias the parameters (an unsharded weight is the parameter itself): copy or write
+    them before the context exits."""
     mods = lora_modules(model)
     saved = [m.base.weight.detach().clone() for m in mods]
     with torch.no_grad():
