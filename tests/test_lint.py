@@ -21,7 +21,7 @@ def findings(recipe: str, *overrides: str, check_paths: bool = False) -> dict[st
     return out
 
 
-@pytest.mark.parametrize("recipe", ["grpo.yaml", "gspo.yaml"])
+@pytest.mark.parametrize("recipe", ["grpo.yaml", "gspo.yaml", "grpo_lora.yaml"])
 def test_tiny_recipes_are_clean(recipe: str) -> None:
     # Their model and data paths point into .cache/demo, which `megatron-rl demo` builds.
     assert findings(recipe) == {}
