@@ -1,4 +1,4 @@
-"""LoRA adapters on megatron-core attention layers, with the base frozen.
+"""LoRA adapters on megatron-core attention layers and routed experts, with the base frozen.
 
 API (stable; `qlora` builds on it):
 - `apply_lora(model, cfg, seed) -> LoraReport`: before DDP wraps the model, freeze every base
@@ -21,8 +21,11 @@ sums their gradients over TP as it does for norms.
 
 q, k and v are separate adapters, as PEFT's on q_proj/k_proj/v_proj (each its own A, rank r), on
 the fused linear_qkv laid out per query group as [q; k; v] (Qwen3-Next: [q; gate; k; v], where q and
-gate together are HF's q_proj). Initial A is the same at every layout (a seeded full tensor, then
-this rank's slice); B starts at zero, so the adapted model starts as the base.
+gate together are HF's q_proj). Target `experts` puts PEFT's gate_proj/up_proj/down_proj adapters
+on every routed expert of the local spec's SequentialMLP (expert-TP 1: tokens arrive dispatched,
+so no collective is needed; the adapters carry megatron's expert mark `allreduce=False`). Initial
+A is the same at every layout (a seeded full tensor, then this rank's slice); B starts at zero, so
+the adapted model starts as the base.
 """
 
 from __future__ import annotations
