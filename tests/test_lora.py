@@ -138,6 +138,9 @@ def test_lora_sync_sends_only_adapted_tensors_and_server_agrees(tmp_path: Path) 
             assert r[f"before_{i}"] > 100 * SYNC_TOLERANCE, (layout, i, r)
             assert r[f"after_{i}"] <= SYNC_TOLERANCE, (layout, i, r)
             assert r[f"tensors_{i}"] == r[f"server_{i}"]["tensors"] == touched, (layout, i, r)
+            # Experts were not in the update: their packed CPU layout is left alone (re-packing it
+            # scrambled them); a full sync repacks every MoE layer (test_weight_sync).
+            assert r[f"server_{i}"]["moe_layers_repacked"] == 0, (layout, i, r)
 
 
 def test_resume_refuses_adapters_of_another_base_or_shape(tmp_path: Path) -> None:
