@@ -300,7 +300,7 @@ def _routing_replay(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 @rule("lora-targets")
 def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     """LoRA settings act only with a rank; each target must exist in the model and have an
-    adapter code path (attention q/k/v/o today)."""
+    adapter code path (attention q/k/v/o, experts at expert-TP 1)."""
     lo, out = cfg.lora, []
     defaults = type(lo)()
     if lo.rank == 0:
@@ -317,9 +317,13 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
             out.append(Finding("error", "lora-targets", "lora.targets",
                                f"target {target!r}: the model ({hf.get('architectures')}) has no "
                                f"{'Gated DeltaNet layers' if target == 'gdn' else 'experts'}"))
-        else:
+        elif target == "gdn":
             out.append(Finding("error", "lora-targets", "lora.targets",
-                               f"target {target!r} has no adapter code path yet; use q, k, v, o"))
+                               "target 'gdn' has no adapter code path yet; use q, k, v, o, experts"))
+    p = cfg.parallelism
+    if "experts" in lo.targets and (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) > 1:
+        out.append(Finding("error", "lora-targets", "parallelism.expert_tensor_parallel_size",
+                           "lora.targets 'experts' needs expert_tensor_parallel_size 1 (it defaults to the TP size)"))
     return out
 
 

@@ -21,7 +21,7 @@ def findings(recipe: str, *overrides: str, check_paths: bool = False) -> dict[st
     return out
 
 
-@pytest.mark.parametrize("recipe", ["grpo.yaml", "gspo.yaml"])
+@pytest.mark.parametrize("recipe", ["grpo.yaml", "gspo.yaml", "grpo_lora.yaml"])
 def test_tiny_recipes_are_clean(recipe: str) -> None:
     # Their model and data paths point into .cache/demo, which `megatron-rl demo` builds.
     assert findings(recipe) == {}
@@ -233,7 +233,11 @@ def test_lora_targets() -> None:
     assert findings("grpo.yaml", "lora.rank=8", "lora.targets=[]")["lora-targets"][0].startswith("error|lora.targets|")
     got = findings("grpo.yaml", "lora.rank=8", "lora.targets=[q,gdn,experts]")["lora-targets"]
     assert any("'gdn'" in m and "no Gated DeltaNet" in m for m in got)        # tiny MoE: no GDN
-    assert any("'experts'" in m and "no adapter code path" in m for m in got)  # it has experts
+    assert not any("'experts'" in m for m in got)                           # it has experts
+    assert "lora-targets" not in findings("grpo.yaml", "lora.rank=8", "lora.targets=[q,v,experts]")
+    got = findings("grpo.yaml", "lora.rank=8", "lora.targets=[experts]", "parallelism.gpus_per_node=2",
+                   "parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true")["lora-targets"]
+    assert got[0].startswith("error|parallelism.expert_tensor_parallel_size|")
 
 
 def test_quantized_base_needs_a_rank_and_a_code_path() -> None:

@@ -33,25 +33,27 @@ def _fields(kind: str) -> dict:
     from tests.test_megatron_parallel import DENSE_FIELDS
     from tests.test_qwen3_next import TINY_QWEN3_NEXT
 
-    return {"moe": TINY_FIELDS, "dense": DENSE_FIELDS, "next": TINY_QWEN3_NEXT}[kind]
+    return {"moe": TINY_FIELDS, "moe_experts": TINY_FIELDS, "dense": DENSE_FIELDS, "next": TINY_QWEN3_NEXT}[kind]
 
 
 def _max_diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in b)
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "next"])
+@pytest.mark.parametrize("kind", ["moe", "moe_experts", "dense", "next"])
 def test_lora_layouts_give_the_same_loss_and_gradients(kind: str, tmp_path: Path) -> None:
     hf_dir = build_tiny_hf_checkpoint(_fields(kind), tmp_path / kind, seed=0)
     out = tmp_path / "lora.json"
     torchrun("lora_layouts_worker.py", str(hf_dir), kind, str(out))
     result = json.loads(out.read_text())
     expected = {"moe": {"tp1", "tp2_sp", "pp2", "ep2", "tp2_ep2_etp1"}, "dense": {"tp1", "tp2", "tp2_sp", "pp2"},
-                "next": {"tp1", "tp2_sp", "pp2"}}[kind]
+                "next": {"tp1", "tp2_sp", "pp2"}, "moe_experts": {"tp1", "pp2", "ep2", "tp2_ep2_etp1"}}[kind]
     assert set(result) == expected
     ref = result["tp1"]
-    # One q/k/v and one o adapter per attention layer (Qwen3-Next: every 2nd layer is attention).
-    assert len(ref["grads"]) == 2 * 2 * 2 and len(ref["touched"]) == 2 * 2
+    # One q/k/v and one o adapter per attention layer (Qwen3-Next: every 2nd layer is attention);
+    # with experts also one gate/up and one down adapter per expert (2 layers × 4 experts).
+    adapters = 2 * 2 + (2 * 4 * 2 if kind == "moe_experts" else 0)
+    assert len(ref["grads"]) == 2 * adapters and len(ref["touched"]) == adapters
     grad_scale = max(torch.tensor(g).abs().max().item() for g in ref["grads"].values())
     assert grad_scale > 1e-3
     for name, g in ref["grads"].items():      # B starts at 0: A's first gradient is 0, B's is not
@@ -71,7 +73,8 @@ def test_lora_layouts_give_the_same_loss_and_gradients(kind: str, tmp_path: Path
         assert got["merged_diff"] <= MERGE_ATOL, layout
 
 
-def test_lora_checkpoint_resumes_exactly_and_converts_merged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "experts"])
+def test_lora_checkpoint_resumes_exactly_and_converts_merged(experts: bool, tmp_path: Path) -> None:
     """A LoRA checkpoint is the adapters and their Adam state only (+ the base's fingerprint): it
     resumes bit-exactly at the saving layout, reshards onto others, and `convert mcore-to-hf`
     merges it into its recorded base, changing exactly the adapted HF tensors."""
@@ -85,10 +88,10 @@ def test_lora_checkpoint_resumes_exactly_and_converts_merged(tmp_path: Path) -> 
 
     hf_dir = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "base", seed=0)
     ckpt, out = tmp_path / "ckpt", tmp_path / "ckpt.json"
-    torchrun("lora_checkpoint_worker.py", str(hf_dir), str(ckpt), str(out))
+    torchrun("lora_checkpoint_worker.py", str(hf_dir), str(ckpt), str(out), *(["experts"] if experts else []))
     r = json.loads(out.read_text())
     assert r["moved"] > 1e-2                                   # the second step changed the policy
-    assert r["tp2_sp"] == {"loaded_diff": 0.0, "resumed_diff": 0.0}     # same layout: bit-exact
+    assert r[r["saver"]] == {"loaded_diff": 0.0, "resumed_diff": 0.0}     # same layout: bit-exact
     for layout in ("pp2", "tp1"):                              # resharded: fp32 reduction order only
         assert all(v <= 2e-6 for v in r[layout].values()), (layout, r[layout])
     keys = {k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k != "common_state/shard_0_1"}
@@ -104,7 +107,11 @@ def test_lora_checkpoint_resumes_exactly_and_converts_merged(tmp_path: Path) -> 
     assert sorted(got) == sorted(expected) == sorted(base)
     assert max((got[k] - expected[k]).abs().max().item() for k in got) <= 1e-6
     changed = sorted(k for k in base if not torch.equal(base[k], got[k]))
-    assert changed == sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo")
+    adapted = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo"]
+    if experts:      # EP2-saved expert adapters, merged at TP1/EP1
+        adapted += [f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in range(2) for e in range(4)
+                    for p in ("gate", "up", "down")]
+    assert changed == sorted(adapted)
 
 
 SYNC_TOLERANCE = 1e-4   # as test_weight_sync: fp32 on CPU, kernel round-off only (~1e-6 seen)
@@ -131,3 +138,30 @@ def test_lora_sync_sends_only_adapted_tensors_and_server_agrees(tmp_path: Path) 
             assert r[f"before_{i}"] > 100 * SYNC_TOLERANCE, (layout, i, r)
             assert r[f"after_{i}"] <= SYNC_TOLERANCE, (layout, i, r)
             assert r[f"tensors_{i}"] == r[f"server_{i}"]["tensors"] == touched, (layout, i, r)
+            # Experts were not in the update: their packed CPU layout is left alone (re-packing it
+            # scrambled them); a full sync repacks every MoE layer (test_weight_sync).
+            assert r[f"server_{i}"]["moe_layers_repacked"] == 0, (layout, i, r)
+
+
+def test_resume_refuses_adapters_of_another_base_or_shape(tmp_path: Path) -> None:
+    from megatron_rl.config import load_recipe
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()          # what `megatron-rl train` does before importing the trainer
+    from megatron_rl.train.lora_run import check_resume
+    from megatron_rl.weights.lora_sync import lora_record
+
+    base = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "base", seed=0)
+    other = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "other", seed=1)
+    (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes() + b"\0")  # other size
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    (ckpt / "complete.json").write_text(json.dumps({"extra": lora_record(8, 16.0, ["q", "k", "v", "o"], base, base)}))
+    cfg = load_recipe(REPO / "recipes/tiny/grpo_lora.yaml")
+    check_resume(cfg, ckpt, str(base))                                  # its own base: fine
+    with pytest.raises(ValueError, match="trained on the base"):
+        check_resume(cfg, ckpt, str(other))
+    with pytest.raises(ValueError, match="rank, alpha, targets"):
+        check_resume(load_recipe(REPO / "recipes/tiny/grpo_lora.yaml", ["lora.rank=4"]), ckpt, str(base))
+    with pytest.raises(ValueError, match="does not train LoRA"):
+        check_resume(load_recipe(REPO / "recipes/tiny/grpo.yaml"), ckpt, str(base))

@@ -258,8 +258,8 @@ class LoraConfig:
     """LoRA scaling numerator: the adapter's output is scaled by alpha / rank."""
     targets: list[Literal["q", "k", "v", "o", "gdn", "experts"]] = spec(factory=lambda: ["q", "k", "v", "o"])
     """Projections that get adapters: attention q/k/v (HF's q_proj/k_proj/v_proj, Qwen3-Next's q_proj
-    with its gate) and o (o_proj); 'gdn' (Gated DeltaNet projections) and 'experts' are refused
-    until they have a code path."""
+    with its gate) and o (o_proj); 'experts' = every routed expert's gate/up/down (expert-TP 1);
+    'gdn' (Gated DeltaNet projections) is refused until it has a code path."""
     base_quantization: Literal["none", "nf4", "fp8"] = "none"
     """Storage of the frozen base weights: 'nf4' is QLoRA's 4-bit NormalFloat with double-quantized
     block scales (torchao, `megatron/quantize.py`); only with a rank. 'fp8' is refused by the lint

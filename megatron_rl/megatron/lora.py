@@ -1,4 +1,4 @@
-"""LoRA adapters on megatron-core attention layers, with the base frozen.
+"""LoRA adapters on megatron-core attention layers and routed experts, with the base frozen.
 
 API (stable; `qlora` builds on it):
 - `apply_lora(model, cfg, seed) -> LoraReport`: before DDP wraps the model, freeze every base
@@ -21,8 +21,11 @@ sums their gradients over TP as it does for norms.
 
 q, k and v are separate adapters, as PEFT's on q_proj/k_proj/v_proj (each its own A, rank r), on
 the fused linear_qkv laid out per query group as [q; k; v] (Qwen3-Next: [q; gate; k; v], where q and
-gate together are HF's q_proj). Initial A is the same at every layout (a seeded full tensor, then
-this rank's slice); B starts at zero, so the adapted model starts as the base.
+gate together are HF's q_proj). Target `experts` puts PEFT's gate_proj/up_proj/down_proj adapters
+on every routed expert of the local spec's SequentialMLP (expert-TP 1: tokens arrive dispatched,
+so no collective is needed; the adapters carry megatron's expert mark `allreduce=False`). Initial
+A is the same at every layout (a seeded full tensor, then this rank's slice); B starts at zero, so
+the adapted model starts as the base.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config.schema import LoraConfig
@@ -48,8 +52,10 @@ from megatron.core.tensor_parallel import mappings  # noqa: E402
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # noqa: E402
 
 ATTENTION_TARGETS = ("q", "k", "v", "o")
-SUPPORTED_TARGETS = ATTENTION_TARGETS
-"""Targets with a code path; `gdn` and `experts` are refused by the recipe lint."""
+SUPPORTED_TARGETS = (*ATTENTION_TARGETS, "experts")
+"""Targets with a code path; `gdn` is refused by the recipe lint."""
+_ADAPTER_NAMES = {"linear_qkv": "lora_qkv", "linear_proj": "lora_proj", "linear_fc1": "lora_fc1",
+                  "linear_fc2": "lora_fc2"}
 
 
 @dataclass
@@ -95,10 +101,13 @@ class _Adapter(nn.Module):
     def __init__(self, base: Any, weight_name: str, scale: float) -> None:
         super().__init__()
         self.scale = scale
+        self.expert = bool(getattr(base, "is_expert", False))
+        """An expert's linear: tokens arrive dispatched (no SP), its group is the expert-TP group,
+        its gradients are reduced over the expert-data-parallel group."""
         self.enabled = True
         self.weight_name = weight_name
         """Global name of the base weight (weight-map name)."""
-        self.name = weight_name.rsplit(".", 2)[0] + (".lora_qkv" if "linear_qkv" in weight_name else ".lora_proj")
+        self.name = weight_name.rsplit(".", 2)[0] + "." + _ADAPTER_NAMES[weight_name.rsplit(".", 2)[1]]
         """Global name of this adapter (its parameters: `<name>.a`, `<name>.b`)."""
         self._base = [base]          # a list: not registered as a submodule
         base.register_forward_hook(self._hook, with_kwargs=True)
@@ -113,6 +122,26 @@ class _Adapter(nn.Module):
         x = args[0] if args else kwargs["input_"]
         out, bias = output
         return out + self.delta_output(_fused_norm_input(module, x)).to(out.dtype), bias
+
+    @property
+    def group(self) -> Any:
+        return ps.get_expert_tensor_parallel_group() if self.expert else ps.get_tensor_model_parallel_group()
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return not self.expert and bool(getattr(self.base, "sequence_parallel", False))
+
+    def _param(self, t: torch.Tensor, **attrs: Any) -> nn.Parameter:
+        w = self.base.weight
+        if self.expert:
+            attrs["allreduce"] = False      # megatron's mark of an expert parameter (expert-DP buffer)
+        return _tag(t.to(w.dtype).to(w.device).contiguous(), **attrs)
+
+    def _sharded(self, prefix: str, axis: dict[str, int], sharded_offsets: tuple) -> Any:
+        groups = dict(tp_group=ps.get_expert_tensor_parallel_group(),
+                      dp_cp_group=ps.get_expert_data_parallel_group()) if self.expert else {}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, axis, sharded_offsets,
+                                                   **groups)
 
     def delta_output(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -144,12 +173,12 @@ class ColumnAdapter(_Adapter):
         w = base.weight
         self.groups, self.sections, self.targeted, self.r = groups, sections, targeted, cfg.rank
         rows = {name: n for name, n in sections}
-        sp = bool(getattr(base, "sequence_parallel", False))
         a = torch.cat([_init_a(cfg.rank, w.shape[1], seed, f"{weight_name}/{s}") for s in targeted])
-        self.a = _tag(a.to(w.dtype).to(w.device), sequence_parallel=sp, tensor_model_parallel=False)
-        # B per section, [groups, rows, r]: TP splits whole query groups (dim 0), as the weight.
-        self.b = _tag(torch.zeros(groups, sum(rows[s] for s in targeted), cfg.rank, dtype=w.dtype, device=w.device),
-                      tensor_model_parallel=True, partition_dim=0, partition_stride=1)
+        self.a = self._param(a, sequence_parallel=self.sequence_parallel, tensor_model_parallel=False)
+        # B per section, [groups, rows, r]: TP splits whole groups (dim 0: query groups of linear_qkv,
+        # the one group of an expert's [gate; up]), as the weight.
+        self.b = self._param(torch.zeros(groups, sum(rows[s] for s in targeted), cfg.rank),
+                             tensor_model_parallel=True, partition_dim=0, partition_stride=1)
 
     def _targeted_rows(self) -> list[int]:
         rows = dict(self.sections)
@@ -164,10 +193,10 @@ class ColumnAdapter(_Adapter):
 
     def delta_output(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.linear(x, self.a)                       # [s(/tp), b, n·r]
-        if getattr(self.base, "sequence_parallel", False):
+        if self.sequence_parallel:
             h = mappings.gather_from_sequence_parallel_region(h)       # bwd: reduce-scatter
         else:
-            h = mappings.copy_to_tensor_model_parallel_region(h)       # bwd: all-reduce over TP
+            h = mappings.copy_to_tensor_model_parallel_region(h, self.group)   # bwd: all-reduce over TP
         lead = tuple(h.shape[:-1])
         parts = {}
         for i, (s, b_s) in enumerate(zip(self.targeted, torch.split(self.b, self._targeted_rows(), dim=1))):
@@ -182,7 +211,7 @@ class ColumnAdapter(_Adapter):
         return self._assemble(parts, self.a, (), (self.a.shape[1],)) * self.scale
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
-        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {"b": 0}, sharded_offsets)
+        return self._sharded(prefix, {"b": 0}, sharded_offsets)
 
 
 class RowAdapter(_Adapter):
@@ -192,28 +221,26 @@ class RowAdapter(_Adapter):
     def __init__(self, base: Any, weight_name: str, cfg: LoraConfig, seed: int) -> None:
         super().__init__(base, weight_name, cfg.alpha / cfg.rank)
         w = base.weight
-        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        tp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         full = _init_a(cfg.rank, w.shape[1] * tp, seed, f"{weight_name}/o")
         local = full[:, rank * w.shape[1]:(rank + 1) * w.shape[1]]
-        self.a = _tag(local.to(w.dtype).to(w.device).contiguous(),
-                      tensor_model_parallel=True, partition_dim=1, partition_stride=1)
-        sp = bool(getattr(base, "sequence_parallel", False))
-        self.b = _tag(torch.zeros(w.shape[0], cfg.rank, dtype=w.dtype, device=w.device),
-                      sequence_parallel=sp, tensor_model_parallel=False)
+        self.a = self._param(local, tensor_model_parallel=True, partition_dim=1, partition_stride=1)
+        self.b = self._param(torch.zeros(w.shape[0], cfg.rank), sequence_parallel=self.sequence_parallel,
+                             tensor_model_parallel=False)
 
     def delta_output(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.linear(x, self.a)                       # partial over TP
-        if getattr(self.base, "sequence_parallel", False):
+        if self.sequence_parallel:
             h = mappings.reduce_scatter_to_sequence_parallel_region(h)
         else:
-            h = mappings.reduce_from_tensor_model_parallel_region(h)
+            h = mappings.reduce_from_tensor_model_parallel_region(h, self.group)
         return torch.nn.functional.linear(h, self.b) * self.scale
 
     def delta_weight(self) -> torch.Tensor:
         return (self.b @ self.a) * self.scale
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
-        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {"a": 1}, sharded_offsets)
+        return self._sharded(prefix, {"a": 1}, sharded_offsets)
 
 
 def _qkv_sections(attn: Any) -> tuple[int, list[tuple[str, int]]]:
@@ -230,6 +257,33 @@ def _attention_layers(gpt: Any) -> Iterator[tuple[int, Any]]:
         attn = getattr(layer, "self_attention", None)
         if attn is not None and hasattr(attn, "linear_qkv") and hasattr(attn, "linear_proj"):
             yield layer.layer_number - 1, attn
+
+
+def _expert_mlps(gpt: Any) -> Iterator[tuple[str, Any]]:
+    """(global weight-name prefix, expert MLP) of this rank's routed experts (local spec's
+    SequentialMLP; TE's grouped GEMM has no per-expert linears to hook)."""
+    for layer in gpt.decoder.layers:
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is None:
+            continue
+        if not hasattr(experts, "local_experts"):
+            raise ValueError(f"lora.targets 'experts': {type(experts).__name__} (grouped GEMM) has no per-expert "
+                             "linears; LoRA on experts needs the SequentialMLP experts (moe_grouped_gemm off)")
+        if dist.get_world_size(ps.get_expert_tensor_parallel_group()) > 1:
+            raise ValueError("lora.targets 'experts' needs parallelism.expert_tensor_parallel_size 1")
+        first = ps.get_expert_model_parallel_rank() * len(experts.local_experts)
+        for i, mlp in enumerate(experts.local_experts):
+            yield f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts.{first + i}", mlp
+
+
+def _adapt_experts(gpt: Any, cfg: LoraConfig, seed: int, report: LoraReport) -> None:
+    """PEFT's gate_proj/up_proj/down_proj adapters on every routed expert."""
+    for prefix, mlp in _expert_mlps(gpt):
+        ffn = mlp.linear_fc1.weight.shape[0] // 2
+        mlp.lora_fc1 = ColumnAdapter(mlp.linear_fc1, f"{prefix}.linear_fc1.weight", cfg, 1,
+                                     [("gate", ffn), ("up", ffn)], ["gate", "up"], seed)
+        mlp.lora_fc2 = RowAdapter(mlp.linear_fc2, f"{prefix}.linear_fc2.weight", cfg, seed)
+        report.adapted += [mlp.lora_fc1.weight_name, mlp.lora_fc2.weight_name]
 
 
 def apply_lora(model: nn.Module | list[nn.Module], cfg: LoraConfig, seed: int = 0) -> LoraReport:
@@ -256,6 +310,8 @@ def apply_lora(model: nn.Module | list[nn.Module], cfg: LoraConfig, seed: int = 
             if "o" in cfg.targets:
                 attn.lora_proj = RowAdapter(attn.linear_proj, f"{prefix}.linear_proj.weight", cfg, seed)
                 report.adapted.append(attn.lora_proj.weight_name)
+        if "experts" in cfg.targets:
+            _adapt_experts(gpt, cfg, seed, report)
         report.trainable += sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     return report
 
@@ -337,7 +393,9 @@ def adapters_disabled(model: nn.Module | list[nn.Module]) -> Iterator[None]:
 def merged_deltas(model: nn.Module | list[nn.Module]) -> Iterator[set[str]]:
     """Each adapted base weight holds W + ΔW (adapters off meanwhile, so a forward inside is the
     merged model, not W + 2ΔW); yields the touched global names; restores W exactly. A quantized
-    (QLoRA) base weight is merged into a dense copy, and the quantized one is put back after."""
+    (QLoRA) base weight is merged into a dense copy, and the quantized one is put back after.
+    Tensors read inside may alias the parameters (an unsharded weight is the parameter itself):
+    copy or write them before the context exits."""
     mods = lora_modules(model)
     with dequantized_weights([m.base for m in mods]):
         saved = [m.base.weight.detach().clone() for m in mods]

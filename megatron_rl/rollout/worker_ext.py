@@ -139,7 +139,7 @@ def _repack_cpu_moe(model: torch.nn.Module, names: list[str]) -> int:
     landed = {n[:i] for n in names for i, c in enumerate(n) if c == "."}    # every module prefix
     count = 0
     for prefix, module in model.named_modules():
-        if prefix not in landed:
+        if not _experts_landed(prefix, landed):
             continue
         method = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
@@ -148,3 +148,15 @@ def _repack_cpu_moe(model: torch.nn.Module, names: list[str]) -> int:
             experts.process_weights_after_loading(module)
             count += 1
     return count
+
+
+def _experts_landed(prefix: str, landed: set[str]) -> bool:
+    """Whether the update held weights of the MoE block that module `prefix` belongs to: its
+    nearest `…experts` ancestor (vLLM nests the packed module, e.g. `mlp.experts.routed_experts`,
+    under the checkpoint's `mlp.experts.<i>.*` names). Without one, assume it did (repack, as a
+    full update must)."""
+    parts = prefix.split(".")
+    for i in range(len(parts), 0, -1):
+        if parts[i - 1] == "experts":
+            return ".".join(parts[:i]) in landed
+    return True

@@ -122,11 +122,13 @@ def export_hf(actor_model: torch.nn.Module, adapter: Any, src_hf_dir: str, out_d
     from ..weights.sharding import gather_hf_layers
 
     writer = HFCheckpointWriter(out_dir) if dist.get_rank() == 0 else None
-    with merged_deltas(actor_model):        # LoRA: W + ΔW (a no-op without adapters)
+    # LoRA: W + ΔW (a no-op without adapters). The writer holds views of the parameters until it
+    # writes, so it finishes before the base is restored.
+    with merged_deltas(actor_model):
         for layer in gather_hf_layers(actor_model, adapter):
             if writer is not None:
                 writer.add_many(layer)
-    if writer is not None:
-        writer.finish(side_files_from=src_hf_dir)
+        if writer is not None:
+            writer.finish(side_files_from=src_hf_dir)
     dist.barrier()
 

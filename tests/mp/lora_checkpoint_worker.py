@@ -1,9 +1,10 @@
 """torchrun worker: LoRA checkpoints hold the adapters only, resume exactly, load at other layouts,
 and merge into a real HF export (`megatron-rl convert mcore-to-hf` on the saved checkpoint).
 
-`torchrun --nproc-per-node 2 tests/mp/lora_checkpoint_worker.py HF_DIR CKPT_DIR OUT_JSON`: the
-actor trains one LoRA step at TP2+SP and saves; a second step gives the expected log-probs. Fresh
-actors (base from HF, adapters from the checkpoint) then take the same second step.
+`torchrun --nproc-per-node 2 tests/mp/lora_checkpoint_worker.py HF_DIR CKPT_DIR OUT_JSON [experts]`: the
+actor trains one LoRA step at TP2+SP (with `experts`: adapters on the experts too, at TP2+SP+EP2,
+expert-TP 1) and saves; a second step gives the expected log-probs. Fresh actors (base from HF,
+adapters from the checkpoint) then take the same second step.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.lora_sync import lora_record  # noqa: E402
 from megatron_rl.weights.sharding import gather_hf_layers  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
-from tests.mp.lora_layouts_worker import ALGO, LORA  # noqa: E402
+from tests.mp.lora_layouts_worker import ALGO, LORA, LORA_EXPERTS  # noqa: E402
 
-from megatron_rl.config.schema import TrainerConfig  # noqa: E402  isort: skip
+from megatron_rl.config.schema import LoraConfig, TrainerConfig  # noqa: E402  isort: skip
 
 
-def build(hf_dir: str, layout: ParallelLayout) -> Actor:
+def build(hf_dir: str, layout: ParallelLayout, lora: LoraConfig) -> Actor:
     init_parallel(layout, seed=1234)
     actor = Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32), 2,
-                  Training(TrainerConfig(lr=1e-3), layout, total_updates=10), lora=LORA)
+                  Training(TrainerConfig(lr=1e-3), layout, total_updates=10), lora=lora)
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     return actor
@@ -56,23 +57,26 @@ def merged_hf(actor: Actor, hf_dir: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     with merged_deltas(actor.model):
         for layer in gather_hf_layers(actor.model, adapter_for(read_hf_config(hf_dir))):
-            out.update(layer)
+            out.update({k: v.clone() for k, v in layer})    # rank 0's own tensors alias the parameters
     return out
 
 
 def main() -> None:
     hf_dir, ckpt, out = sys.argv[1:4]
+    lora = LORA_EXPERTS if sys.argv[4:] == ["experts"] else LORA
+    saver, others = ("tp2_ep2_etp1", ("tp2_ep2_etp1", "pp2", "tp1")) if lora is LORA_EXPERTS else \
+        ("tp2_sp", ("tp2_sp", "pp2", "tp1"))
     batch = make_batch(read_hf_config(hf_dir)["vocab_size"])
-    actor = build(hf_dir, LAYOUTS["tp2_sp"])
+    actor = build(hf_dir, LAYOUTS[saver], lora)
     batch.old_logprobs = actor.compute_logprobs(batch, 1.0)
     batch.ref_logprobs = batch.old_logprobs.clone()
     saved = step(actor, batch, 0)
-    save_checkpoint(actor, ckpt, extra=lora_record(LORA.rank, LORA.alpha, LORA.targets, hf_dir, hf_dir))
+    save_checkpoint(actor, ckpt, extra=lora_record(lora.rank, lora.alpha, lora.targets, hf_dir, hf_dir))
     export = merged_hf(actor, hf_dir)          # what `convert mcore-to-hf` must write from the checkpoint
     expected = step(actor, batch, 1)
-    result: dict = {"moved": (expected - saved).abs().max().item()}
-    for name in ("tp2_sp", "pp2", "tp1"):
-        other = build(hf_dir, LAYOUTS[name])
+    result: dict = {"moved": (expected - saved).abs().max().item(), "saver": saver}
+    for name in others:
+        other = build(hf_dir, LAYOUTS[name], lora)
         # The adapter state resharded onto this layout; the optimizer state where the layout's
         # dense/expert optimizer split matches the saver's (as full checkpoints).
         load_checkpoint(other, ckpt, load_optimizer=name != "pp2")

@@ -1,7 +1,7 @@
 """torchrun worker: the same LoRA GRPO steps under several parallel layouts, from one checkpoint.
 
 Run as `torchrun --nproc-per-node 2 tests/mp/lora_layouts_worker.py HF_DIR KIND OUT_JSON` (KIND: moe,
-dense or next); rank 0 writes, per layout, the losses, the full (unsharded) adapter gradients of the first
+moe_experts, dense or next); rank 0 writes, per layout, the losses, the full (unsharded) adapter gradients of the first
 step and adapter weights after the last, and the checks of the base (frozen, disabled = initial
 model, merged = adapted model). The distributed optimizer is off here: its reduce-scatter leaves
 each DP rank only its own shard of the gradient buffer, and the full gradients are the point.
@@ -44,8 +44,11 @@ LAYOUTS = {
 # MoE training refuses TP without SP: the plain-TP paths (copy/reduce instead of gather/reduce-scatter
 # of the rank-r activation) run on the dense model.
 KIND_LAYOUTS = {"moe": ["tp1", "tp2_sp", "pp2", "ep2", "tp2_ep2_etp1"], "dense": ["tp1", "tp2", "tp2_sp", "pp2"],
-                "next": ["tp1", "tp2_sp", "pp2"]}
+                "next": ["tp1", "tp2_sp", "pp2"],
+                # Expert adapters need expert-TP 1: tp2_sp would split the experts over TP.
+                "moe_experts": ["tp1", "pp2", "ep2", "tp2_ep2_etp1"]}
 LORA = LoraConfig(rank=4, alpha=8.0, targets=["q", "k", "v", "o"])
+LORA_EXPERTS = LoraConfig(rank=4, alpha=8.0, targets=["q", "k", "v", "o", "experts"])
 ALGO = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05)
 
 
@@ -53,10 +56,13 @@ def full_adapters(actor: Actor, grads: bool) -> dict[str, list]:
     """Global adapter tensors (or their gradients) assembled on rank 0 from the TP shards of the
     first data-parallel replica ({} elsewhere)."""
     mine = []
-    if ps.get_data_parallel_rank() == 0:
-        for s in adapter_shards(actor.model):
+    for s in adapter_shards(actor.model):
+        expert = getattr(s.param, "allreduce", True) is False
+        dp_rank = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
+        tp_rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
+        if dp_rank == 0:
             t = s.param.main_grad if grads else s.param
-            mine.append((s.name, s.tp_dim, ps.get_tensor_model_parallel_rank(), t.detach().double().cpu()))
+            mine.append((s.name, s.tp_dim, tp_rank, t.detach().double().cpu()))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
@@ -75,11 +81,11 @@ def full_adapters(actor: Actor, grads: bool) -> dict[str, list]:
     return out
 
 
-def run_layout(hf_dir: str, layout: ParallelLayout) -> dict:
+def run_layout(hf_dir: str, layout: ParallelLayout, lora: LoraConfig) -> dict:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
     recipe = build_model_recipe(hf, layout, torch.float32)
-    actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3, clip_grad=0.0), layout, total_updates=10), lora=LORA)
+    actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3, clip_grad=0.0), layout, total_updates=10), lora=lora)
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     frozen = {n: p.detach().clone() for n, p in actor.model.named_parameters() if not p.requires_grad}
@@ -113,7 +119,8 @@ def run_layout(hf_dir: str, layout: ParallelLayout) -> dict:
 
 def main() -> None:
     hf_dir, kind, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    result = {name: run_layout(hf_dir, LAYOUTS[name]) for name in KIND_LAYOUTS[kind]}
+    lora = LORA_EXPERTS if kind == "moe_experts" else LORA
+    result = {name: run_layout(hf_dir, LAYOUTS[name], lora) for name in KIND_LAYOUTS[kind]}
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
