@@ -13,7 +13,8 @@ import pytest
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
 from megatron_rl.lint import lint
-from megatron_rl.planner.lora import nf4_bytes, nf4_bytes_per_param, total_adapter_params
+from megatron_rl.nf4 import nf4_bytes, nf4_bytes_per_param
+from megatron_rl.planner.lora import total_adapter_params
 from megatron_rl.planner.memory import GB, Hardware
 from megatron_rl.planner.modes import compare, with_nodes
 from megatron_rl.planner.params import count_params

@@ -27,7 +27,7 @@ from megatron_rl.megatron.quantize import (  # noqa: E402
     quantize_frozen_base,
     tensor_nbytes,
 )
-from megatron_rl.planner.lora import nf4_bytes  # noqa: E402
+from megatron_rl.nf4 import nf4_bytes  # noqa: E402
 
 FIELDS = yaml.safe_load((REPO / "recipes/tiny/base.yaml").read_text())["model"]["tiny"]
 # The on-the-fly path against a dense model holding the same dequantized weights: only fp32

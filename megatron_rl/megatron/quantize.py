@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..planner.lora import NF4_BLOCK, QUANT_SCHEMES, nf4_scaler_block
+from ..nf4 import NF4_BLOCK, nf4_scaler_block
 from . import cpu_compat
 
 cpu_compat.require_applied()
@@ -38,7 +38,7 @@ cpu_compat.require_applied()
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region  # noqa: E402
 
-SCHEMES: tuple[str, ...] = QUANT_SCHEMES
+SCHEMES: tuple[str, ...] = ("nf4",)
 SKIPPED_MODULES: tuple[str, ...] = ("output_layer",)
 """Kept in the training dtype: the vocab-wide output layer (QLoRA leaves the LM head unquantized)."""
 # Megatron's per-parameter attributes that the sharding, checkpoint and sync code read.

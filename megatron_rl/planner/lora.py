@@ -3,9 +3,8 @@
 Pure Python, like the rest of the planner. With `lora.rank` r > 0 (see `megatron/lora.py`):
 
 * the base has no gradient and no optimizer state: only its weights count, in the training dtype,
-  or — with `base_quantization: nf4` (`megatron/quantize.py`) — the linear layers' weights in NF4:
-  4-bit codes (1/2 byte), one int8 scale per NF4_BLOCK weights and, for every NF4_SCALER_BLOCK
-  scales, one factor in the original dtype (QLoRA's double quantization). Norms, the router, the
+  or — with `base_quantization: nf4` (`megatron/quantize.py`) — the linear layers' weights in NF4
+  (`nf4.py`: 4-bit codes, int8 block scales, one factor per block of scales: ~0.516 bytes). Norms, the router, the
   embedding, the output layer and the small Gated DeltaNet tensors stay in the training dtype;
 * adapters (PEFT's layout: q, k and v each their own A [r × h] and B [out × r]; o's A [r × a·d],
   B [h × r]) follow their base layer's split: on q/k/v (column-parallel) A is replicated and B
@@ -21,38 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..nf4 import nf4_bytes_per_param
 from .params import Block, Dims, Layer, ModelParams, Shard
 
-NF4_BLOCK = 64
-"""Weights per 4-bit block with one scale (QLoRA's and torchao's default)."""
-NF4_SCALER_BLOCK = 256
-"""Block scales per double-quantization block, at most (small layers use the largest divisor)."""
 QUANTIZED_COMPONENTS: tuple[str, ...] = ("attention", "linear_attention", "dense_mlp", "moe_experts",
                                          "shared_experts")
 """Components whose TP/EXPERT-sharded weights are linear layers (`quantize.py` quantizes every
 frozen ColumnParallelLinear / RowParallelLinear but the output layer)."""
-
-
-def nf4_scaler_block(num_blocks: int) -> int:
-    """The largest divisor of the block count up to NF4_SCALER_BLOCK (torchao needs whole
-    second-level blocks)."""
-    return next(s for s in range(min(NF4_SCALER_BLOCK, num_blocks), 0, -1) if num_blocks % s == 0)
-
-
-def nf4_bytes(numel: int, orig_bytes: int) -> int:
-    """Bytes of one NF4 tensor of `numel` weights (a multiple of NF4_BLOCK), quantized from a
-    dtype of `orig_bytes` bytes, but for torchao's per-tensor constants (a 16-entry code table and
-    the mean of the scales, < 70 bytes)."""
-    blocks = numel // NF4_BLOCK
-    return numel // 2 + blocks + (blocks // nf4_scaler_block(blocks)) * orig_bytes
-
-
-def nf4_bytes_per_param(orig_bytes: int) -> float:
-    """The same for a large tensor (whole second-level blocks)."""
-    return 0.5 + 1 / NF4_BLOCK + orig_bytes / (NF4_BLOCK * NF4_SCALER_BLOCK)
-
-
-QUANT_SCHEMES: tuple[str, ...] = ("nf4",)
 
 
 def adapter_params(d: Dims, gated: bool, rank: int, targets: Sequence[str], tp: int) -> tuple[int, float]:
@@ -124,7 +98,7 @@ def stage_params(params: ModelParams, layers: Sequence[Layer], blocks: Sequence[
     full = sum(1 for layer in layers if layer.mixer == "full_attention")
     adapters = full * adapter_params(d, gated, rank, targets, tp)[1]
     quantized = transient = 0.0
-    if quantization in QUANT_SCHEMES:
+    if quantization == "nf4":
         quantized = sum(b.per_gpu(tp, ep, etp) for b in blocks if _quantizable(b))
         transient = largest_linear(d, gated, layers, tp, etp) * param_bytes if quantized else 0.0
     base = (dense + expert - quantized) * param_bytes + quantized * nf4_bytes_per_param(param_bytes)

@@ -23,6 +23,10 @@ embedding; the last holds the output layer and the logits — both are computed,
 * overhead: OVERHEAD_GB (CUDA context and cuBLAS workspaces ~1 GB, NCCL buffers of the
   TP/PP/DP/EP/CP communicators ~2 GB, caching-allocator fragmentation ~1 GB).
 
+With `lora.rank` > 0 the weights are a frozen base (in NF4 with `base_quantization: nf4`) plus
+adapters, and only the adapters have gradients and optimizer states; the reference is the base
+with the adapters off (no term); see `lora.py`.
+
 Activation model (bytes stored per token per layer, bf16): the accounting of Korthikanti et al.
 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198, §4),
 which gives 34·s·b·h/t per layer with tensor + sequence parallelism plus 5·a·s²·b/t for the
