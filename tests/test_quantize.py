@@ -62,6 +62,11 @@ def models() -> Iterator[tuple[Any, Any, Any, Any]]:
             assert name == qname
             p.copy_(dequantize(q, p.dtype))
     yield dense, quant, same, report
+    # Later tests in this process (e.g. the plugin check) expect no process group.
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
 
 
 def _forward(model: Any, tokens: torch.Tensor, backward: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -142,18 +142,20 @@ def test_torch_listens_everywhere_and_the_bound_store_on_its_address_only() -> N
 
     from megatron_rl.megatron import rendezvous
 
-    def listening() -> set[str]:
-        return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    def listening(port: int) -> set[str]:
+        """The addresses this process listens on at `port` (a store deleted just before may still
+        be closing its socket, so look at one store's port only)."""
+        return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
 
-    before = listening()
     plain = rendezvous.TCPSTORE("127.0.0.1", 0, 1, True, timedelta(seconds=30))
-    assert listening() - before & {"0.0.0.0", "::"}
+    assert listening(plain.port) & {"0.0.0.0", "::"}
     del plain
     for libuv in (True, False):
         store = rendezvous.bound_tcp_store("127.0.0.1", 0, 1, True, timedelta(seconds=30), use_libuv=libuv)
         client = dist.TCPStore("127.0.0.1", store.port, 1, False, timedelta(seconds=30))
         store.set("k", "v")
-        assert client.get("k") == b"v" and listening() - before == {"127.0.0.1"}
+        assert client.get("k") == b"v" and listening(store.port) == {"127.0.0.1"}
         del client, store
     with pytest.raises(rendezvous.RendezvousAddressError, match="other nodes of a multi-node run cannot reach"):
         rendezvous.listen_on("localhost", 0, multi_node=True)
