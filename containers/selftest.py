@@ -43,6 +43,7 @@ MODULES = {
     "transformer-engine": "transformer_engine.pytorch",
     "flash-linear-attention": "fla",
     "pytest": "pytest",
+    "torchao": "torchao",
 }
 # Provided by the base image or the project, not pinned (see the module docstring).
 BASE_MODULES = ("torch", "megatron_rl", "megatron_rl.cli")
