@@ -79,3 +79,14 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path: Path) -> None:
     # The restarted server (base only) gets the resumed adapters merged and agrees.
     assert all(r["sync/verify_max_abs_diff"] <= 1e-4 for r in rows)
     assert all(r["kl"] >= 0 for r in rows) and rows[-1]["kl"] > 0   # reference = base with adapters off
+
+
+def test_qlora_run_syncs_the_nf4_base_once_then_adapters(tmp_path: Path) -> None:
+    """QLoRA (NF4 base): the first sync sends the whole model as the trainer holds it (the base's
+    NF4 image), later ones only the merged q/k/v/o; the server agrees with the trainer after each."""
+    demo_assets()
+    rows = metrics(train(tmp_path, "qlora", *SMALL, "lora.base_quantization=nf4", "trainer.max_steps=3",
+                         "checkpoint.export_hf=false"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sync/verify_max_abs_diff"] <= 1e-4 for r in rows)
+    assert all(r["sync/mb"] < 0.5 for r in rows)              # after the start-up sync: adapters only
