@@ -131,7 +131,8 @@ def test_killed_server_is_restarted_and_the_batch_completes(server: RolloutServe
         assert len(group) == 4 and all(x.prompt_ids == prompt and x.response_ids for x in group)
 
 
-def _hf_logprobs(state: dict[str, torch.Tensor], sequences: list[list[int]], work: Path) -> list[torch.Tensor]:
+def _hf_logprobs(state: dict[str, torch.Tensor], sequences: list[list[int]], work: Path,
+                 model_dir: str | None = None) -> list[torch.Tensor]:
     """float64 log-probs of every token after the first, from HF transformers on `state` (written
     as a checkpoint: transformers 5 fuses MoE experts at load time, so state-dict names differ)."""
     from transformers import AutoModelForCausalLM
@@ -140,7 +141,7 @@ def _hf_logprobs(state: dict[str, torch.Tensor], sequences: list[list[int]], wor
 
     writer = HFCheckpointWriter(work)
     writer.add_many(list(state.items()))
-    writer.finish(side_files_from=str(demo_assets()["model"]))
+    writer.finish(side_files_from=model_dir or str(demo_assets()["model"]))
     model = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32)
     out = []
     with torch.no_grad():

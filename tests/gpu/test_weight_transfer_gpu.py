@@ -26,22 +26,9 @@ TOLERANCE = 2e-3
 
 
 def _hf_logprobs(model_dir: Path, state: dict[str, torch.Tensor], sequences: list[list[int]]) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM
+    from tests.test_rollout_server import _hf_logprobs as hf_logprobs
 
-    from megatron_rl.weights.hf_io import HFCheckpointWriter
-
-    work = model_dir.parent / "reference"
-    writer = HFCheckpointWriter(work)
-    writer.add_many(list(state.items()))
-    writer.finish(side_files_from=str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for seq in sequences:
-            ids = torch.tensor([seq])
-            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
-            out.append(logp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1))
-    return out
+    return hf_logprobs(state, sequences, model_dir.parent / "reference", str(model_dir))
 
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
