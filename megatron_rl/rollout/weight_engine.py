@@ -72,30 +72,37 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.maps.clear()
 
     def start_weight_update(self) -> None:
+        _profile("start")
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
         if self.moe_load == "in_place" and self.device.type == "cpu":
             _experts_out_of_reload(self.model)
         self.round = {"version": None, "tensors": 0, "names": []}
+        _profile("start_done")
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        _profile("update")
         segments = self._map(update_info.segments)
         with disable_mtp_completeness_check():
             cast(Any, self.model).load_weights(_views(update_info.tensors, segments))
         self.round["version"] = int(update_info.version)
         self.round["tensors"] += len(update_info.tensors)
         self.round["names"] += [t[0] for t in update_info.tensors]
+        _profile("update_done")
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        _profile("finish")
         finalize_layerwise_reload(self.model, self.model_config)
+        _profile("finalized")
         if not self.round.get("tensors"):
             return      # every layer kept its packed tensors: packing them again would corrupt them
         repacked = _repack_cpu_moe(self.model, self.round["names"])
+        _profile("repacked")
         LOADED.update(version=self.round["version"], tensors=self.round["tensors"], moe_layers_repacked=repacked)
 
     def shutdown(self) -> None:
@@ -135,3 +142,47 @@ def _experts_out_of_reload(model: torch.nn.Module) -> int:
             info.reset()
             count += 1
     return count
+
+
+_SPANS: list[tuple[str, float]] = []
+
+
+def _profile(mark: str) -> None:
+    """MRL_SYNC_PROFILE=<file>: append each sync's phase marks (perf_counter) and, with
+    MRL_SYNC_CPROFILE=1, a cProfile of the whole update, to that file (a debugging aid: issue 17's
+    sync-speed work found where the server's reload goes with it). Written at "repacked", so
+    only for rounds that loaded tensors."""
+    out = os.environ.get("MRL_SYNC_PROFILE")
+    if not out:
+        return
+    import time
+
+    if mark == "start":
+        _SPANS.clear()
+        if "p" in _PROF:
+            _PROF.pop("p").disable()        # a round that loaded nothing (no "repacked" mark)
+    _SPANS.append((mark, time.perf_counter()))
+    prof = _PROF.get("p")
+    if mark == "start" and os.environ.get("MRL_SYNC_CPROFILE"):
+        import cProfile
+
+        _PROF["p"] = cProfile.Profile()
+        _PROF["p"].enable()
+    if mark != "repacked":
+        return
+    t0 = _SPANS[0][1]
+    with open(out, "a") as f:
+        f.write(" ".join(f"{m}={t - t0:.4f}" for m, t in _SPANS) + "\n")
+        if prof is not None:
+            import io
+            import pstats
+
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(45)
+            f.write(buf.getvalue())
+            _PROF.clear()
+    _SPANS.clear()
+
+
+_PROF: dict[str, Any] = {}
