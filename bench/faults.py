@@ -74,6 +74,9 @@ def schedule(steps: int, seed: int) -> dict[int, list[str]]:
 # ---------------------------------------------------------------------------------------- child
 def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_path: Path, resume: bool) -> int:
     """Run `train` with the plan's kills wired in (this process only: the server stays real)."""
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()                            # before anything imports megatron-core (as the CLI does)
     import megatron_rl.train.checkpointing as checkpointing_mod
     import megatron_rl.train.session as session_mod
     import megatron_rl.train.sync_phase as sync_phase_mod
