@@ -66,6 +66,8 @@ def schedule(steps: int, seed: int) -> dict[int, list[str]]:
         if not pool:
             pool = [p for p in PHASES if p != "checkpoint"]
             rng.shuffle(pool)
+        if plan.get(step - 1) == ["checkpoint"] and pool[-1] == "reseed":
+            pool.insert(0, pool.pop())      # the checkpoint kill is met at this reseed: it must not be dead already
         phase = pool.pop()
         plan[step] = [BRING_BACK[phase], phase] if phase in BRING_BACK else [phase]
     return plan
@@ -94,6 +96,8 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         server = state["server"]
         if phase not in plan.get(state["step"], []) or key in state["done"] or server is None or server.proc is None:
             return
+        if server.proc.poll() is not None:
+            return      # killed earlier and not yet noticed: no kill of its own (reported as never reached)
         state["done"].add(key)
         with open(log_path, "a") as f:
             f.write(json.dumps({"step": state["step"], "phase": phase, "pid": server.proc.pid,
