@@ -17,7 +17,7 @@ server killed earlier in the same step is being brought back.
 
 The run fails (exit 1, `never_reached` / `not_met` in the JSON) when a planned injection point was
 never reached, or a kill was never noticed (no server restart followed it). Each server restart
-costs ~30 s here, so a run takes ~15-25 minutes.
+costs 30-60 s on a loaded 2-core VM, so a run takes ~20-30 minutes.
 """
 
 from __future__ import annotations
