@@ -3,14 +3,21 @@ at a chosen moment of many steps, covering every phase, plus one SIGKILL of the 
 by `--resume`. Prints JSON: faults injected / survived, steps lost / logged twice, the listening
 sockets seen during the run that were not on loopback, and /dev/shm files left behind.
 
-    python bench/faults.py [--steps 24] [--seed 0] [--out DIR] [--json-out FILE]
+    python bench/faults.py [--steps 20] [--seed 0] [--out DIR] [--json-out FILE]
 
 The trainer runs in a child process (`--child`) that wraps a few functions to know which phase it
 is in and kills the real server there; nothing is mocked. Phases: the per-step reseed, mid-
-generation (after the first answered request), the post-sync verification request, each call of
-the weight sync (pause, update, prefix-cache reset, resume), and the moments the server is idle
-(the trainer computing log-probs, training, writing the sync segments, saving a checkpoint: the
-death is met at the next call). Each server restart costs ~30 s here, so a run takes ~15 minutes.
+generation (after the first answered request), the verification request, each call of the weight
+sync through vLLM's weight-transfer routes (/pause, /init_weight_transfer_engine,
+/start_weight_update, /update_weights, /finish_weight_update, the workers' `mrl_loaded` report,
+/reset_prefix_cache, /resume), and the moments the server is idle (the trainer computing
+log-probs, training, writing the sync segments, saving a checkpoint: the death is met at the next
+call). /init_weight_transfer_engine is called once per server process, so its kill comes while a
+server killed earlier in the same step is being brought back.
+
+The run fails (exit 1, `never_reached` / `not_met` in the JSON) when a planned injection point was
+never reached, or a kill was never noticed (no server restart followed it). Each server restart
+costs 30-60 s on a loaded 2-core VM, so a run takes ~20-30 minutes.
 """
 
 from __future__ import annotations
@@ -30,30 +37,48 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PHASES = ("reseed", "generate", "verify", "pause", "update", "reset", "resume",
-          "logprobs", "train", "sync_write", "checkpoint")
+SERVER_CALLS = {"/pause": "pause", "/init_weight_transfer_engine": "init", "/start_weight_update": "start",
+                "/update_weights": "update", "/finish_weight_update": "finish",
+                "/reset_prefix_cache": "reset", "/resume": "resume"}
+"""The weight sync's routes (weights/transport_engine.py `EngineLink`) → phase."""
+RPCS = {"mrl_reseed": "reseed", "mrl_loaded": "loaded"}
+"""`/collective_rpc` methods → phase (the workers' report of what they loaded ends each sync)."""
+PHASES = ("reseed", "generate", "verify", *SERVER_CALLS.values(), "loaded", "logprobs", "train", "sync_write",
+          "checkpoint")
 SAVE_INTERVAL = 4
 SMALL = ["trainer.global_batch_size=16", "rollout.n=4", "trainer.micro_batch_size=4"]
+BRING_BACK = {"init": "train"}
+"""Phases only reached while a server is brought back: first kill it at this (idle) moment of the
+same step (the next sync restarts it, and the restart's re-send initialises the engine again)."""
 
 
-def schedule(steps: int, seed: int) -> dict[int, str]:
-    """One injection per step, every phase at least twice when steps allow; checkpoint faults only
-    at steps that save."""
+def schedule(steps: int, seed: int) -> dict[int, list[str]]:
+    """Kills per step: every phase at least once when steps allow (one per step, plus the kill that
+    a bring-back phase needs first); checkpoint kills only at steps that save before the last (the
+    last step's save is followed by no server call that could notice the death)."""
     rng = random.Random(seed)
-    plan: dict[int, str] = {}
+    plan: dict[int, list[str]] = {}
     pool: list[str] = []
     for step in range(1, steps + 1):
+        if step % SAVE_INTERVAL == 0 and step // SAVE_INTERVAL % 2 == 1 and step < steps:
+            plan[step] = ["checkpoint"]
+            continue
         if not pool:
             pool = [p for p in PHASES if p != "checkpoint"]
             rng.shuffle(pool)
-        plan[step] = "checkpoint" if step % SAVE_INTERVAL == 0 and step // SAVE_INTERVAL % 2 == 1 else pool.pop()
+        if plan.get(step - 1) == ["checkpoint"] and pool[-1] == "reseed":
+            pool.insert(0, pool.pop())      # the checkpoint kill is met at this reseed: it must not be dead already
+        phase = pool.pop()
+        plan[step] = [BRING_BACK[phase], phase] if phase in BRING_BACK else [phase]
     return plan
 
 
 # ---------------------------------------------------------------------------------------- child
-def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Path, resume: bool) -> int:
+def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_path: Path, resume: bool) -> int:
     """Run `train` with the plan's kills wired in (this process only: the server stays real)."""
-    import megatron_rl.megatron.checkpoint as ckpt
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()                            # before anything imports megatron-core (as the CLI does)
     import megatron_rl.train.checkpointing as checkpointing_mod
     import megatron_rl.train.session as session_mod
     import megatron_rl.train.sync_phase as sync_phase_mod
@@ -69,12 +94,14 @@ def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Pat
     def inject(phase: str) -> None:
         key = (state["step"], phase)
         server = state["server"]
-        if plan.get(state["step"]) != phase or key in state["done"] or server is None or server.proc is None:
+        if phase not in plan.get(state["step"], []) or key in state["done"] or server is None or server.proc is None:
             return
+        if server.proc.poll() is not None:
+            return      # killed earlier and not yet noticed: no kill of its own (reported as never reached)
         state["done"].add(key)
         with open(log_path, "a") as f:
             f.write(json.dumps({"step": state["step"], "phase": phase, "pid": server.proc.pid,
-                                "trainer_pid": os.getpid(), "t": time.time()}) + "\n")
+                                "restarts": server.restarts, "trainer_pid": os.getpid(), "t": time.time()}) + "\n")
         os.killpg(server.proc.pid, signal.SIGKILL)
 
     start = RolloutServer.start
@@ -82,46 +109,47 @@ def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Pat
     def start_and_remember(self: RolloutServer) -> None:
         start(self)
         state["server"] = self
-    RolloutServer.start = start_and_remember
+    RolloutServer.start = start_and_remember      # type: ignore[method-assign]
 
     post = RolloutServer.post
-    paths = {"/pause": "pause", "/reset_prefix_cache": "reset", "/resume": "resume"}
 
     def post_and_kill(self: RolloutServer, path: str, body: Any = None, params: Any = None,
                       timeout: float = 600.0) -> Any:
         method = body.get("method") if path == "/collective_rpc" and body else None
-        inject({"mrl_reseed": "reseed", "mrl_update": "update"}.get(method, paths.get(path, "")))
+        inject(RPCS.get(method, "") if method else SERVER_CALLS.get(path, ""))
         return post(self, path, body, params, timeout)
-    RolloutServer.post = post_and_kill
+    RolloutServer.post = post_and_kill            # type: ignore[method-assign]
 
     reseed = session_mod.Session.reseed_servers
 
     def reseed_at(self: Any, step: int) -> None:
         state["step"], state["answered"] = step, 0
         reseed(self, step)
-    session_mod.Session.reseed_servers = reseed_at
+    session_mod.Session.reseed_servers = reseed_at      # type: ignore[method-assign]
 
     client_post = RolloutClient._post
 
     async def client_post_and_kill(self: RolloutClient, client: Any, path: str, body: dict) -> dict:
+        if "prompt_logprobs" in body:
+            if state["in_verify"]:
+                inject("verify")                  # the verification request meets a dead server
+            return await client_post(self, client, path, body)
         result = await client_post(self, client, path, body)
-        if "prompt_logprobs" not in body:
-            state["answered"] += 1
-            if state["answered"] == 1:
-                inject("generate")
+        state["answered"] += 1
+        if state["answered"] == 1:
+            inject("generate")                    # the step's other requests are in flight
         return result
-    RolloutClient._post = client_post_and_kill
+    RolloutClient._post = client_post_and_kill    # type: ignore[method-assign]
 
     verify = sync_phase_mod.verify
 
-    def verify_and_kill(session: Any, probe: Any, version: int) -> dict:
+    def verify_marked(session: Any, probe: Any, version: int) -> dict:
         state["in_verify"] = True
         try:
-            inject("verify")
             return verify(session, probe, version)
         finally:
             state["in_verify"] = False
-    sync_phase_mod.verify = verify_and_kill
+    sync_phase_mod.verify = verify_marked
 
     logprobs, train_step = Actor.compute_logprobs, Actor.train_step
 
@@ -133,16 +161,16 @@ def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Pat
     def train_and_kill(self: Actor, *args: Any, **kwargs: Any) -> Any:
         inject("train")
         return train_step(self, *args, **kwargs)
-    Actor.compute_logprobs, Actor.train_step = logprobs_and_kill, train_and_kill
+    Actor.compute_logprobs, Actor.train_step = logprobs_and_kill, train_and_kill   # type: ignore[method-assign]
 
-    send = FileTransport.send_bucket
+    send = FileTransport.send_bucket            # SharedSegmentTransport's writes (shm backend)
 
     def send_and_kill(self: FileTransport, tensors: Any) -> None:
         inject("sync_write")
         send(self, tensors)
-    FileTransport.send_bucket = send_and_kill
+    FileTransport.send_bucket = send_and_kill     # type: ignore[method-assign]
 
-    save = ckpt.save_checkpoint
+    save = checkpointing_mod.save_checkpoint
 
     def save_and_kill(*args: Any, **kwargs: Any) -> Any:
         inject("checkpoint")
@@ -150,6 +178,9 @@ def child(recipe: str, overrides: list[str], plan: dict[int, str], log_path: Pat
     checkpointing_mod.save_checkpoint = save_and_kill
 
     train(load_recipe(recipe, overrides), resume=resume)
+    server = state["server"]
+    with open(log_path.with_name("children.jsonl"), "a") as f:    # what the last injection is checked against
+        f.write(json.dumps({"trainer_pid": os.getpid(), "restarts": server.restarts if server else 0}) + "\n")
     return 0
 
 
@@ -181,11 +212,13 @@ def tree(root: int) -> set[int]:
 
 
 def server_pids(run: Path) -> set[int]:
-    """The rollout server's group (its own session, so not under the trainer's tree after a restart)."""
+    """The rollout server's group (its own session, so not under the trainer's tree after a restart);
+    the colocated server of node 0 publishes under `<run>/rollout/node_0/rollout/` (train/placement.py
+    `node_dir`; not imported: the driver stays free of torch)."""
     import psutil
 
     try:
-        pid = json.loads((run / "rollout" / "server.json").read_text())["pid"]
+        pid = json.loads((run / "rollout" / "node_0" / "rollout" / "server.json").read_text())["pid"]
         return tree(pid) if psutil.pid_exists(pid) else set()
     except (OSError, ValueError, KeyError):
         return set()
@@ -233,7 +266,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         watch(second, run, bad, None)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     counts = Counter(r["step"] for r in rows)
-    injections = [json.loads(line) for line in (run / "injections.jsonl").read_text().splitlines()]
+    injections = _jsonl(run / "injections.jsonl")
     logs = [p.read_text(errors="replace") for p in sorted(args.out.glob(f"{run_name}.*.log"))]
     finished = second is not None and second.returncode == 0
     survived = sum(1 for i in injections if _survived(i, rows, finished, killed))
@@ -243,11 +276,14 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         "survived": survived + (1 if killed and finished else 0),
         "steps_lost": sorted(set(range(1, args.steps + 1)) - set(counts)),
         "steps_duplicated": sorted(s for s, c in counts.items() if c > 1),
+        "never_reached": never_reached(schedule(args.steps, args.seed), injections, max(counts, default=0)),
+        "not_met": not_met(injections, _jsonl(run / "children.jsonl"), first.pid if killed else None),
         "weight_version_is_step_plus_1": all(r["weight_version"] == r["step"] + 1 for r in rows),
         "server_kills_by_phase": dict(Counter(i["phase"] for i in injections)),
         "trainer_killed_after_step": kill_at if killed else None,
         "first_exit_code": rc_first, "resumed_exit_code": second.returncode if second is not None else None,
         "restarts_logged": sum(log.count("[rollout] server down") for log in logs),
+        "restarts_failed_and_retried": sum(log.count("[rollout] restart failed") for log in logs),
         "restarts_verified_numerically": sum(log.count("verified: max |Δ log-prob|") for log in logs),
         "non_loopback_listeners": sorted(bad),
         "shm_left": sorted(n for n in shm_after - shm_before if n.startswith(("megatron-rl-sync-", "psm_", "sem.mp-"))),
@@ -262,9 +298,38 @@ def _survived(injection: dict[str, Any], rows: list[dict[str, Any]], finished: b
     return finished and any(r["step"] >= injection["step"] for r in rows)
 
 
+def never_reached(plan: dict[int, list[str]], injections: list[dict[str, Any]], last_step: int) -> list[str]:
+    """Planned kills (of the steps the run got to) that no trainer process ever reached: the phase
+    was renamed or moved and the bench's hook no longer fires."""
+    hit = {(i["step"], i["phase"]) for i in injections}
+    return [f"step {step}: {phase}" for step, phases in sorted(plan.items()) if step <= last_step
+            for phase in phases if (step, phase) not in hit]
+
+
+def not_met(injections: list[dict[str, Any]], children: list[dict[str, Any]], killed_pid: int | None) -> list[str]:
+    """Kills after which the trainer never restarted the server (it did not notice the death). The
+    server's restart count is logged at each kill and when a trainer finishes; the last kill of the
+    trainer that was SIGKILLed itself is exempt (its step is redone by the resumed run)."""
+    final = {c["trainer_pid"]: c["restarts"] for c in children}
+    bad = []
+    for pid in sorted({i["trainer_pid"] for i in injections}):
+        mine = [i for i in injections if i["trainer_pid"] == pid]
+        later = [i["restarts"] for i in mine[1:]] + [final.get(pid)]
+        for i, after in zip(mine, later):
+            if after is None and pid == killed_pid:
+                continue
+            if after is None or after <= i["restarts"]:
+                bad.append(f"step {i['step']}: {i['phase']} (trainer {pid})")
+    return bad
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "faults")
     ap.add_argument("--json-out", type=Path)
@@ -280,7 +345,11 @@ def main() -> None:
         sys.exit(child(str(REPO / "recipes" / "tiny" / "grpo.yaml"), overrides, schedule(args.steps, args.seed),
                        args.out / args.run_name / "injections.jsonl", args.resume))
     result = driver(args)
-    ok = result["survived"] == result["injected"] and not result["steps_lost"] and not result["steps_duplicated"]
+    for key in ("never_reached", "not_met"):
+        if result[key]:
+            print(f"FAULT INJECTION BROKEN: {key}: {result[key]}", file=sys.stderr)
+    ok = result["survived"] == result["injected"] and not result["steps_lost"] and not result["steps_duplicated"] \
+        and not result["never_reached"] and not result["not_met"]
     sys.exit(0 if ok else 1)
 
 

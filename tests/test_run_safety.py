@@ -116,6 +116,26 @@ def test_leftovers_of_dead_processes_go_and_live_ones_stay(tmp_path: Path) -> No
     assert freed >= 2 * 4096
 
 
+def test_a_live_semaphore_is_in_use_though_its_creator_maps_it_under_another_name() -> None:
+    """glibc's sem_open maps a temporary file and renames it: only the inode ties the mapping to
+    `sem.mp-*`. A clean-up that looked at paths removed live vLLM semaphores (engine start failed)."""
+    import multiprocessing
+
+    lock = multiprocessing.get_context("spawn").Lock()        # what vLLM's engine hands its workers
+    live = shm.SHM / ("sem." + lock._semlock.name.lstrip("/"))  # type: ignore[attr-defined]
+    assert live.exists()
+    assert str(live) not in {p for p in shm.mapped_paths() if not p.startswith("inode:")}   # the old check missed it
+    unused = shm.SHM / f"sem.mp-test{os.getpid()}"
+    unused.write_bytes(b"z" * 32)
+    try:
+        stale = shm.stale_vllm_segments(min_age_s=0.0, among=[live.name, unused.name])
+        assert stale == [unused]
+        assert live.exists()
+    finally:
+        unused.unlink(missing_ok=True)
+    del lock
+
+
 # ------------------------------------------------------------------------------ rendezvous
 def test_a_world_of_one_listens_on_loopback_only() -> None:
     code = """

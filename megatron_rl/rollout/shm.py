@@ -6,6 +6,12 @@ leaves Python shared-memory blocks (`psm_*`) and semaphores (`sem.mp-*`). Nothin
 them: they hold memory until the machine reboots. A file is stale when no live process maps it
 and, for sync segments, the process named in the directory is gone. `psm_*` is any Python
 SharedMemory's name: a block of another program that nobody maps for 10 s is removed too.
+
+"Maps" is decided by inode as well as by path: glibc's sem_open creates a semaphore under a
+temporary name, maps it, links it to `sem.mp-*` and unlinks the temporary name, so its creator's
+mapping reads `/dev/shm/sem.XXXXXX (deleted)`. By path alone every live semaphore looked unused,
+and another run's clean-up removed one between a vLLM engine creating it and its spawned worker
+(20+ s to import on a loaded host) opening it: "Engine core initialization failed".
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ VLLM_PREFIXES = ("psm_", "sem.mp-")
 
 
 def mapped_paths() -> set[str]:
-    """Every file that a process we can inspect maps or holds open."""
+    """Every file that a process we can inspect maps or holds open, by path and as `inode:<dev>:<ino>`
+    (`in_use`): a mapping keeps the inode it was made under, whatever the file is now called."""
     found: set[str] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -32,11 +39,24 @@ def mapped_paths() -> set[str]:
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and parts[5].startswith("/"):
                     found.add(parts[5].removesuffix(" (deleted)"))
+                    major, minor = parts[3].split(":")
+                    found.add(f"inode:{os.makedev(int(major, 16), int(minor, 16))}:{parts[4]}")
             for fd in (proc / "fd").iterdir():
                 found.add(os.readlink(fd))
         except OSError:
             continue                       # gone meanwhile, or not ours to read
     return found
+
+
+def in_use(path: Path, mapped: set[str]) -> bool:
+    """`path` is mapped or held open (`mapped`: from `mapped_paths`)."""
+    if str(path) in mapped:
+        return True
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return f"inode:{st.st_dev}:{st.st_ino}" in mapped
 
 
 def _pid_alive(pid: int) -> bool:
@@ -65,7 +85,7 @@ def stale_sync_dirs(root: Path = SHM) -> list[Path]:
         pid = d.name[len(SYNC_PREFIX):].split("-", 1)[0]
         if not d.is_dir() or not pid.isdigit() or _pid_alive(int(pid)) or not _ours_and_old(d, 0):
             continue
-        if not any(str(f) in mapped for f in d.iterdir()):
+        if not any(in_use(f, mapped) for f in d.iterdir()):
             stale.append(d)
     return stale
 
@@ -74,7 +94,7 @@ def stale_vllm_segments(root: Path = SHM, min_age_s: float = 10.0, among: Iterab
     """vLLM's shared-memory files (ours, older than `min_age_s`) that no live process maps."""
     mapped = mapped_paths()
     names = among if among is not None else (p.name for p in root.iterdir())
-    return [root / n for n in names if n.startswith(VLLM_PREFIXES) and str(root / n) not in mapped
+    return [root / n for n in names if n.startswith(VLLM_PREFIXES) and not in_use(root / n, mapped)
             and _ours_and_old(root / n, min_age_s)]
 
 
