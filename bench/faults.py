@@ -286,7 +286,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         "restarts_failed_and_retried": sum(log.count("[rollout] restart failed") for log in logs),
         "restarts_verified_numerically": sum(log.count("verified: max |Δ log-prob|") for log in logs),
         "non_loopback_listeners": sorted(bad),
-        "shm_left": sorted(n for n in shm_after - shm_before if n.startswith(("megatron-rl-sync-", "psm_", "sem.mp-"))),
+        "shm_left": shm_left(shm_after - shm_before),
         "run_dir": str(run),
     }
     emit(out, started, args.json_out)
@@ -321,6 +321,16 @@ def not_met(injections: list[dict[str, Any]], children: list[dict[str, Any]], ki
             if after is None or after <= i["restarts"]:
                 bad.append(f"step {i['step']}: {i['phase']} (trainer {pid})")
     return bad
+
+
+def shm_left(new: set[str]) -> list[str]:
+    """/dev/shm files that appeared during the run and that no live process uses (on a shared host
+    other runs' servers create and use such files meanwhile: those are not leftovers)."""
+    from megatron_rl.rollout import shm  # stdlib only: the driver stays free of torch
+
+    mapped = shm.mapped_paths()
+    return sorted(n for n in new if n.startswith((shm.SYNC_PREFIX, *shm.VLLM_PREFIXES))
+                  and (shm.SHM / n).exists() and not shm.in_use(shm.SHM / n, mapped))
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
