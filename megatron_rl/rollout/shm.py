@@ -113,3 +113,10 @@ def remove_stale(min_age_s: float = 10.0, root: Path = SHM) -> int:
         except OSError:
             pass
     return freed
+
+
+def remove_stale_and_say(who: str = "") -> None:
+    """`remove_stale`, printing what it freed (`who` names the node in multi-node runs)."""
+    freed = remove_stale()
+    if freed:
+        print(f"[rollout] {who}removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs", flush=True)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..config.schema import RecipeConfig
 from ..rollout.server import RolloutServer, ServerError
-from ..rollout.shm import remove_stale as remove_stale_shm
+from ..rollout.shm import remove_stale_and_say
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ERROR_FILE = "server.error"
@@ -68,10 +68,7 @@ def start_node_servers(cfg: RecipeConfig, run_dir: Path, model_dir: str,
     if pos.local_rank == 0:
         for name in ("server.json", ERROR_FILE):
             (here / name).unlink(missing_ok=True)
-        freed = remove_stale_shm()
-        if freed:
-            print(f"[rollout] node {pos.node}: removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs",
-                  flush=True)
+        remove_stale_and_say(f"node {pos.node}: ")
     dist.barrier()
     own = _start_own(cfg, run_dir, model_dir, extra_args, pos) if pos.local_rank == 0 else None
     if dist.get_rank() != 0:

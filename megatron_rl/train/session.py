@@ -22,7 +22,7 @@ from ..megatron.providers import build_model_recipe
 from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import RolloutServer
-from ..rollout.shm import remove_stale as remove_stale_shm
+from ..rollout.shm import remove_stale_and_say
 from ..rollout.supervisor import ServerSupervisor
 from ..tasks import LoadedTask
 from ..weights.adapters import adapter_for
@@ -100,9 +100,7 @@ class Session:
         if not self.rank0:
             return
         if external:
-            freed = remove_stale_shm()
-            if freed:
-                print(f"[rollout] removed {freed / 2**20:.0f} MiB of /dev/shm left by dead runs", flush=True)
+            remove_stale_and_say()
             found = sorted(Path(external).glob("*/rollout/server.json"))
             if not found:
                 raise Stop(f"${EXTERNAL_SERVERS_ENV}={external}: no */rollout/server.json there")

@@ -10,7 +10,6 @@ fresh tensors cost more in page faults than the copies themselves.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,29 +29,6 @@ class Transport(Protocol):
     def finish(self, names: list[str]) -> dict[str, Any]: ...
 
     def abort(self) -> None: ...
-
-
-class FanoutTransport:
-    """The same update to several servers (disaggregated rollout nodes), one after the other."""
-
-    def __init__(self, transports: Sequence[Transport]) -> None:
-        self.transports = list(transports)
-
-    def begin(self, version: int) -> None:
-        for t in self.transports:
-            t.begin(version)
-
-    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
-        for t in self.transports:
-            t.send_bucket(tensors)
-
-    def finish(self, names: list[str]) -> dict[str, Any]:
-        results = [t.finish(names) for t in self.transports]
-        return {**results[0], "servers": len(results)}
-
-    def abort(self) -> None:
-        for t in self.transports:
-            t.abort()
 
 
 @dataclass
