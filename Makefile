@@ -1,7 +1,7 @@
 # The two commands of the README, plus the edit loop. All build .venv on first use
 # (tools/install_cpu_env.sh). `make test-gpu` runs the GPU tests with the GPU stack's Python (the
 # image's, or GPU_PY=...).
-.PHONY: demo test test-fast test-slow test-gpu lint env clean-env
+.PHONY: demo test test-fast test-integration test-e2e test-slow test-gpu lint env clean-env
 
 PY := .venv/bin/python
 GPU_PY ?= python
@@ -15,21 +15,31 @@ env:
 demo: env
 	$(PY) -m megatron_rl.cli demo
 
-# Everything, as CI runs it (.ci/run).
+# Everything, as CI runs it (.ci/run): the four tiers of tests/ (CONTRIBUTING.md). About 15 min
+# on 2 cores, most of it in the integration and e2e tiers.
 test: env
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Refuses when CUDA is not there: a GPU stage whose tests all skip must not pass.
 test-gpu:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: CUDA is not available to $(GPU_PY) (torch ' + torch.__version__ + ')')"
-	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS) tests/gpu tests/test_logprobs.py
+	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS) tests/gpu tests/unit/test_logprobs.py
 
-# The edit loop: every test not marked `slow` (no vLLM server, torchrun or Slurm job); a few minutes.
+# The edit loop: tests/unit (no vLLM server, torchrun or Slurm job); under 2 minutes.
 test-fast: env
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) tests/unit
 
+# One real vLLM server (shared by most of them) or a torchrun group per test.
+test-integration: env
+	$(PY) -m pytest $(PYTEST_ARGS) tests/integration
+
+# The trainer CLI end to end, Slurm jobs, the fault bench.
+test-e2e: env
+	$(PY) -m pytest $(PYTEST_ARGS) tests/e2e
+
+# integration + e2e
 test-slow: env
-	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) tests/integration tests/e2e
 
 # Rules and settings in pyproject.toml ([tool.ruff], [tool.mypy]); .pre-commit-config.yaml runs the same.
 lint: env

@@ -14,7 +14,7 @@ What is measured:
   engine core, model and output processing share one thread), "offline_mp" = vLLM's default
   engine-core process (=1, the same process split as the server). One warm-up pass, then
   `--passes` timed passes each.
-- Client: the project's rollout server (`tests.rollout_fixtures.start_server`, fp32, eager),
+- Client: the project's rollout server (`tests.helpers.rollout.start_server`, fp32, eager),
   started only after both offline children have exited, so nothing competes for the cores;
   `RolloutClient.generate` (one request per prompt, n samples each, `--max-concurrency` in flight)
   with `ignore_eos: true, min_tokens: max_tokens` added to every request body, so every path
@@ -175,7 +175,7 @@ async def raw_http_pass(base_url: str, token: str, prompts: list[list[int]], n: 
 def run_server_side(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, max_concurrency: int,
                     passes: int, work: Path) -> dict[str, Any]:
     from megatron_rl.rollout.client import SamplingSettings
-    from tests.rollout_fixtures import start_server
+    from tests.helpers.rollout import start_server
 
     settings = SamplingSettings(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens)
     server = None
@@ -224,7 +224,7 @@ def main() -> None:
     # SIGTERM → SystemExit, so the finally blocks stop the child and the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from tests.rollout_fixtures import demo_assets
+    from tests.helpers.rollout import demo_assets
 
     t0 = time.perf_counter()
     work = args.dir or Path(tempfile.mkdtemp(prefix="rollout-client-bench-"))

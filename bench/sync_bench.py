@@ -300,7 +300,7 @@ def summarize_baselines(rounds: list[dict[str, tuple[float, float, float, int]]]
 
 def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, bucket_bytes: int,
                 engine: bool = True, moe_load: str = MOE_LOAD) -> dict[str, Any]:
-    from tests.rollout_fixtures import start_server, tiny_model_with_tokenizer
+    from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
 
     load_before = os.getloadavg()
     t = time.perf_counter()
@@ -399,7 +399,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from megatron_rl.train.setup import init_process_group
-    from tests.rollout_fixtures import TINY_MOE
+    from tests.helpers.rollout import TINY_MOE
 
     specs = {"tiny": TINY_MOE, "large": LARGE}
     t0 = time.perf_counter()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 CONTAINER_SCOPES = ("gpu", "both", "nodeps", "gpu-late")
 # Distribution name (as in pins.txt, without extras) → module to import. A pin without an entry
-# fails tests/test_containers.py, so a new pin cannot skip the self-test.
+# fails tests/unit/test_containers.py, so a new pin cannot skip the self-test.
 MODULES = {
     "megatron-core": "megatron.core",
     "transformers": "transformers",

@@ -10,7 +10,9 @@ warning, ours included, still shows.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -38,6 +40,11 @@ KNOWN_LOG_LINES: tuple[tuple[str, str], ...] = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
     ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel: full_param_layout"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
+    # torchao (imported by transformers' quantizer table whenever it is installed) tries its CUDA
+    # kernels' .so files on every import; on CPU they cannot load and are not needed.
+    ("torchao", "Failed to load "),
+    # torchao registers its enums as pytree constants, which torch 2.13 deprecates (torch's own log).
+    ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported"),
 )
 
 
@@ -51,7 +58,13 @@ class _DropPrefixes(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Hide the known third-party warnings and log lines above (idempotent)."""
+    """Hide the known third-party warnings and log lines above and transformers' progress bars
+    (writing and loading the tiny checkpoints; our own bars and step lines stay). Idempotent.
+    A person who sets HF_HUB_DISABLE_PROGRESS_BARS=0 keeps the bars."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # read when transformers is imported
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] not in ("0", "false", "False"):
+        hf_logging.disable_progress_bar()                         # already imported: switch it off now
     for category, message, module in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     by_logger: dict[str, list[str]] = {}

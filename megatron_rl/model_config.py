@@ -105,7 +105,7 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
                              "partial_rotary_factor": 0.25},
 }
 """Per architecture, what transformers assumes for a key that `config.json` leaves out. Every key
-the providers, weight maps and planner read is here or required; tests/test_model_defaults.py
+the providers, weight maps and planner read is here or required; tests/unit/test_model_defaults.py
 builds the transformers config objects and compares field by field."""
 _MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 _EXPERT_ALIASES = ("num_experts", "num_local_experts", "n_routed_experts")

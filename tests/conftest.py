@@ -1,4 +1,10 @@
-"""Shared pytest set-up: GPU tests are skipped (with the reason) when CUDA is absent."""
+"""Shared pytest set-up: the tiers follow the folders, GPU tests skip (with the reason) without CUDA.
+
+Tiers (`CONTRIBUTING.md`): `unit/` pure logic and single-process megatron-core; `integration/` one
+real vLLM server or a torchrun group; `e2e/` the trainer CLI, Slurm and the fault bench; `gpu/`
+needs CUDA. Each test gets its folder's marker, and `integration`/`e2e` tests also get `slow`, so
+`-m "not slow"` still selects the unit tier.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,12 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.console import KNOWN_WARNINGS, quiet_third_party
+from tests.helpers.models import tiny, tiny_moe  # noqa: F401  (fixtures of the unit and integration tiers)
+from tests.helpers.servers import demo_server, demo_servers_dir, demo_weights_server  # noqa: F401  (the shared server)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "integration", "e2e", "gpu")
+SLOW_TIERS = ("integration", "e2e")
 
 # Two cores: keep each test process from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -32,10 +42,22 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("filterwarnings", f"ignore:{message}:{category.__name__}:{module}")
 
 
+def tier_of(path: Path) -> str | None:
+    """The tier folder a test file sits in (None for files outside the tiers)."""
+    parts = path.resolve().relative_to(REPO_ROOT / "tests").parts
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    skip_gpu = None if _cuda_available() else pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        tier = tier_of(Path(str(item.fspath)))
+        if tier is None:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in one of tests/{{{','.join(TIERS)}}}/")
+        if tier == "unit" and "slow" in item.keywords:
+            raise pytest.UsageError(f"{item.nodeid}: marked slow but in tests/unit/; move it to integration/ or e2e/")
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier in SLOW_TIERS:
+            item.add_marker(pytest.mark.slow)
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)

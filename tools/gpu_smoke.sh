@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-GPU smoke check of the trainer's GPU path (tools/gpu_smoke.py); prints one JSON line and
-# exits non-zero when a check fails. Runs on the CPU too (CI: tests/test_gpu_smoke.py).
+# exits non-zero when a check fails. Runs on the CPU too (CI: tests/unit/test_gpu_smoke.py).
 #
 #   tools/gpu_smoke.sh [--models qwen3_moe,qwen3_next] [--dtype bf16|fp32]
 #

@@ -1,18 +1,27 @@
 """`megatron-rl demo`: the README's main job — a tiny GRPO run on CPU through a real vLLM server.
 
-Builds (once, cached in .cache/demo) the task data, a locally trained tokenizer and a tiny
-Qwen3-MoE with a short supervised warm-up, trains with recipes/tiny/grpo.yaml, then prints the run
-dir and a start/end table and writes reward_curve.png into the run dir.
+Builds (once, cached in .cache/demo, or $MEGATRON_RL_CACHE/demo) the task data, a locally trained
+tokenizer and a tiny Qwen3-MoE with a short supervised warm-up, trains with recipes/tiny/grpo.yaml,
+then prints the run dir and a start/end table and writes reward_curve.png into the run dir.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+CACHE_ENV = "MEGATRON_RL_CACHE"
+"""Where the demo's (and the tests') built assets go instead of the checkout's .cache: for a
+read-only install (the container image) or a fresh, empty cache."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or REPO / ".cache")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from .train import load_checked
 
     fields = yaml.safe_load((REPO / "recipes" / "tiny" / "base.yaml").read_text())["model"]["tiny"]
-    prepare_demo_assets(REPO / ".cache" / "demo", fields)
-    overrides = [f"logging.run_name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides]
+    assets = prepare_demo_assets(cache_root() / "demo", fields)
+    # The built files by their paths, wherever the cache is (the recipe's relative paths assume .cache).
+    paths = [f"model.init_checkpoint={assets['model']}", f"data.train_path={assets['train']}",
+             f"data.eval_path={assets['eval']}"]
+    overrides = [*paths, f"logging.run_name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides]
     cfg = load_checked(args.recipe, overrides)
     if cfg is None:
         return 1
@@ -62,24 +74,48 @@ def table(summary: dict[str, tuple[float, float]]) -> str:
     return "\n".join(lines)
 
 
-def plot(run_dir: Path) -> Path:
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and up to `window - 1` before it (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(run_dir: Path, window: int = 10) -> Path:
+    """reward_curve.png in the run dir (`reward_figure`)."""
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    fig = reward_figure(rows, window)
+    out = run_dir / "reward_curve.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def reward_figure(rows: list[dict], window: int = 10) -> Any:
+    """The per-step mean reward, its rolling mean over `window` steps, the sampled accuracy and the
+    periodic greedy eval accuracy (one point per step the run evaluated)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
+    rewards = [r["reward/mean"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["reward/mean"] for r in rows], label="reward (mean)")
+    ax.plot(steps, rewards, alpha=0.35, label="reward (mean)")
+    ax.plot(steps, rolling_mean(rewards, window), label=f"reward ({window}-step rolling mean)")
     if "accuracy" in rows[0]:
-        ax.plot(steps, [r["accuracy"] for r in rows], "--", label="accuracy")
+        ax.plot(steps, [r["accuracy"] for r in rows], "--", alpha=0.6, label="accuracy (sampled)")
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    if evals:
+        ax.plot(*zip(*evals), "o", label="eval accuracy (greedy)")
     ax.set_xlabel("step")
     ax.set_ylim(0, 1.05)
-    ax.legend()
+    ax.legend(fontsize="small")
     ax.set_title("tiny GRPO on CPU (vLLM rollouts)")
-    out = run_dir / "reward_curve.png"
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig

@@ -19,7 +19,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def prepare_demo_assets(cache: Path, tiny_fields: dict[str, Any], seed: int = 0, warmup_steps: int = 200,
                         n_train: int = 2000, n_eval: int = 256) -> dict[str, Path]:
-    """Paths of train/eval/sft JSONL and of the warmed-up model (HF dir with tokenizer)."""
+    """Paths of train/eval/sft JSONL and of the warmed-up model (HF dir with tokenizer);
+    `warmup_steps=0` leaves the model as initialized (seconds instead of minutes)."""
     cache = Path(cache)
     key = json.dumps({"fields": tiny_fields, "seed": seed, "warmup": warmup_steps, "n": [n_train, n_eval],
                       "v": 1}, sort_keys=True)
@@ -35,15 +36,22 @@ def prepare_demo_assets(cache: Path, tiny_fields: dict[str, Any], seed: int = 0,
     tok_dir = train_tokenizer(corpus(4000, seed + 1), cache / "tokenizer", vocab_size=tiny_fields["vocab_size"])
     init_dir = build_tiny_hf_checkpoint(tiny_fields, cache / "model_init", seed=seed)
     _copy_tokenizer(tok_dir, init_dir)
+    if warmup_steps == 0:                  # a random model: enough where nothing has to learn
+        shutil.copytree(init_dir, paths["model"])
+    else:
+        _warm_up(tok_dir, init_dir, paths, warmup_steps, seed)
+    _copy_tokenizer(tok_dir, paths["model"])
+    stamp.write_text(hashlib.sha256(key.encode()).hexdigest())
+    return paths
+
+
+def _warm_up(tok_dir: Path, init_dir: Path, paths: dict[str, Path], steps: int, seed: int) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     pairs = encode_pairs(tokenizer, read_sft(paths["sft"]))
-    losses = supervised_warmup(init_dir, paths["model"], pairs, warmup_steps, batch_size=32, lr=3e-3, seed=seed)
-    _copy_tokenizer(tok_dir, paths["model"])
-    print(f"[demo] supervised warm-up: {warmup_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
-    stamp.write_text(hashlib.sha256(key.encode()).hexdigest())
-    return paths
+    losses = supervised_warmup(init_dir, paths["model"], pairs, steps, batch_size=32, lr=3e-3, seed=seed)
+    print(f"[demo] supervised warm-up: {steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

@@ -1,7 +1,7 @@
 """Every patch megatron-core 0.19 needs to run on a machine without CUDA — and nothing else.
 
 Applied once, only when CUDA is absent (`apply()` is a no-op on GPU machines). Each patch names the
-symbol it replaces in `PATCHED_SYMBOLS`; `tests/test_cpu_compat.py` fails loudly when one of them
+symbol it replaces in `PATCHED_SYMBOLS`; `tests/unit/test_cpu_compat.py` fails loudly when one of them
 disappears after a megatron-core upgrade, because a silently skipped patch would surface as a
 CUDA error deep inside a training step. The measured list is in ../shared/notes/megatron-core-on-cpu.md.
 """
@@ -230,7 +230,7 @@ def _uncompile(target: str, attr: str) -> None:
     cls = getattr(importlib.import_module(module), cls_name)
     owner = next((c for c in cls.__mro__ if attr in vars(c)), None)
     if owner is None:
-        return   # vanished upstream: check_patched_symbols (tests/test_cpu_compat.py) reports it
+        return   # vanished upstream: check_patched_symbols (tests/unit/test_cpu_compat.py) reports it
     fn = vars(owner)[attr]
     setattr(owner, attr, getattr(fn, "_torchdynamo_orig_callable", fn))
 

@@ -10,7 +10,7 @@
 Adding a model is one folder plus one line in `MODELS` (see the README, "Adding a model").
 Imports flow one way: a folder imports `megatron/`, `weights/adapters.py` and `model_config`, never
 the reverse; those two registries reach a folder only through `load_model`
-(tests/test_import_direction.py).
+(tests/unit/test_import_direction.py).
 """
 
 from __future__ import annotations

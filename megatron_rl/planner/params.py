@@ -2,7 +2,7 @@
 
 Supported architectures (the `ARCHITECTURES` registry): Qwen3ForCausalLM (dense),
 Qwen3MoeForCausalLM and Qwen3NextForCausalLM. Counts follow the tensor shapes of the transformers
-implementations (checked against real `sum(p.numel())` in tests/test_planner.py):
+implementations (checked against real `sum(p.numel())` in tests/unit/test_planner.py):
 
 * full attention: q/k/v/o projections (Qwen3-Next's q_proj is twice as wide: query + output gate),
   q_norm and k_norm over head_dim;

@@ -26,6 +26,10 @@ import torch
 from ..config.schema import RolloutConfig
 from .shm import SHM, stale_vllm_segments
 
+EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
+"""Set by the sbatch script (and the tests' shared server): a folder of `<host>/rollout/server.json`
+of servers already running, which the trainer attaches to instead of starting its own."""
+
 WEIGHT_TRANSFER_BACKENDS = {"shm": "mrl_shm", "nccl": "mrl_nccl", "ipc": "mrl_ipc"}
 """`rollout.weight_transfer` → the vLLM engine (registered by rollout/worker_ext.py; `mrl_nccl` and
 `mrl_ipc` are vLLM's nccl and ipc engines that also count what each worker loaded)."""

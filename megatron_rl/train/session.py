@@ -21,7 +21,7 @@ from ..megatron.checkpoint import load_weights
 from ..megatron.providers import build_model_recipe
 from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
-from ..rollout.server import RolloutServer
+from ..rollout.server import EXTERNAL_SERVERS_ENV, RolloutServer
 from ..rollout.shm import remove_stale_and_say
 from ..rollout.supervisor import ServerSupervisor
 from ..tasks import LoadedTask
@@ -34,8 +34,6 @@ from .data_order import DataOrder
 from .placement import start_node_servers
 from .run_control import Stop
 from .setup import load_prompts, load_sft_tokens, require_eos
-
-EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 
 
 class Session:

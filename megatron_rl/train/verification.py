@@ -5,7 +5,7 @@ In fp32 both sides agree to round-off, so the largest difference is a fine test.
 kernel differs (attention, expert GEMMs, the router's top-k on near-ties), so single tokens can be
 far apart while the weights are exactly right: the gate is on the masked mean and a quantile, and
 the max is only logged. The bounds below come from measurements on CPU with a real vLLM server,
-both sides in the same dtype (tests/test_verification_servers.py; numbers next to `LIMITS`).
+both sides in the same dtype (tests/integration/test_verification_servers.py; numbers next to `LIMITS`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ LIMITS: dict[torch.dtype, Limits] = {
     # mean 1.2e-7, max 9.5e-7 after a correct sync; one corrupted tensor: mean 0.10.
     torch.float32: Limits(mean=1e-5, p90=5e-5, max=1e-4),
     # bf16, both sides bf16. Measured on CPU (tiny random Qwen3 dense / Qwen3-MoE, 4 probe rows ×
-    # 31 tokens, tests/test_verification_servers.py): after a correct sync mean 7.3e-4 / 8.1e-4,
+    # 31 tokens, tests/integration/test_verification_servers.py): after a correct sync mean 7.3e-4 / 8.1e-4,
     # p90 1.7e-3 / 1.9e-3, max 2.5e-3 / 1.0e-2; with one tensor corrupted (a projection's row
     # halves swapped) mean 0.096 / 0.102, p90 0.22 / 0.21. GPU kernels differ more between the two
     # sides than CPU ones (FlashAttention vs cuDNN, fused_moe vs SequentialMLP, expert near-ties),

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.models import TINY_MOE
+from tests.helpers.rollout import tiny_model_with_tokenizer
 from tests.mp.launch import torchrun
-from tests.rollout_fixtures import TINY_MOE, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.gpu
 

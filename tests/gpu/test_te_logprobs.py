@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_rl.logprobs import vocab_parallel_logprobs
-from tests.test_logprobs import make, objective_grads, reference
+from tests.helpers.logprobs import make, objective_grads, reference
 
 pytestmark = pytest.mark.gpu
 ROWS, VOCAB = 512, 32768

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.models import TINY_MOE
+from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
 from tests.mp.launch import torchrun
-from tests.rollout_fixtures import TINY_MOE, start_server, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 2e-3

@@ -19,14 +19,15 @@ import torch
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.weights.hf_io import HFCheckpointReader
 from megatron_rl.weights.transport_engine import make_transport
-from tests.rollout_fixtures import TINY_MOE, start_server, tiny_model_with_tokenizer
+from tests.helpers.models import TINY_MOE
+from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.gpu
 TOLERANCE = 2e-3
 
 
 def _hf_logprobs(model_dir: Path, state: dict[str, torch.Tensor], sequences: list[list[int]]) -> list[torch.Tensor]:
-    from tests.test_rollout_server import _hf_logprobs as hf_logprobs
+    from tests.helpers.rollout import _hf_logprobs as hf_logprobs
 
     return hf_logprobs(state, sequences, model_dir.parent / "reference", str(model_dir))
 

@@ -10,7 +10,6 @@ gradients of both steps and the final weights.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -30,6 +29,7 @@ from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  #
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
 
 CASES = {
@@ -136,11 +136,7 @@ def main() -> None:
             padded = run(hf_dir, LAYOUTS[name], objective, None)
             budget = run(hf_dir, LAYOUTS[name], objective, BUDGET)
             result[f"{name}/{objective}"] = compare(padded, budget)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

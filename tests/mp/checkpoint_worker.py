@@ -5,11 +5,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 torch.set_num_threads(1)
 
@@ -26,6 +24,8 @@ from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
+
+from tests.mp.common import finish  # noqa: E402
 
 
 def build(hf_dir: str, layout: ParallelLayout) -> Actor:
@@ -68,11 +68,7 @@ def main() -> None:
             other.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 1)
             entry["logprob_diff_after_step"] = (logprobs(other, batch) - after_step).abs().max().item()
         result[name] = entry
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

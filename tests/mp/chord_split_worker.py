@@ -8,7 +8,6 @@ exchange micro-batches of different sizes.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -26,6 +25,7 @@ from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 
 LAYOUTS = {"dp2": ParallelismConfig(), "pp2": ParallelismConfig(pipeline_model_parallel_size=2)}
 CHORD = AlgorithmConfig(name="chord", chord=ChordConfig(mu_peak=0.5, mu_valley=0.5))
@@ -46,15 +46,10 @@ def run(hf_dir: str, layout: ParallelismConfig) -> list[float]:
 
 
 def main() -> None:
-    import torch.distributed as dist
 
     hf_dir, out = sys.argv[1], sys.argv[2]
     result = {name: run(hf_dir, layout) for name, layout in LAYOUTS.items()}
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

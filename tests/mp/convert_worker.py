@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_convert.py: every conversion, parity and failure case in one launch.
+"""torchrun worker for tests/integration/test_convert.py: every conversion, parity and failure case in one launch.
 
 `torchrun --nproc-per-node 2 tests/mp/convert_worker.py SPEC_JSON OUT_JSON`. The spec (written by
 the test) names the tiny HF checkpoints, the layouts, the HF reference logits and the broken
@@ -28,6 +28,7 @@ from megatron_rl.weights import convert_worker as cw  # noqa: E402
 from megatron_rl.weights.convert import ConversionError, ConvertJob, ConvertLayout  # noqa: E402
 from megatron_rl.weights.hf_io import CheckpointError  # noqa: E402
 from megatron_rl.weights.stream_io import PlannedHFWriter  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 
 
 def layout(name: str, hf: dict[str, Any]) -> ConvertLayout:
@@ -127,10 +128,7 @@ def main() -> None:
         work = Path(case["work"])
         result["cases"][name] = run_case(case, work, reference[name])
     result["failures"] = run_failures(spec, Path(spec["work"]))
-    if dist.get_rank() == 0:
-        Path(sys.argv[2]).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, sys.argv[2])
 
 
 if __name__ == "__main__":

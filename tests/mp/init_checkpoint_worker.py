@@ -8,7 +8,6 @@ rank 0 writes, per layout, the max |Δ log-prob| of the trainable actor and of a
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -26,6 +25,7 @@ from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import init_checkpoint, read_hf_config  # noqa: E402
 from megatron_rl.train.session import _load_init  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 
 
 def logprobs(hf: dict, layout, path: str | None, trainable: bool) -> torch.Tensor:  # noqa: ANN001
@@ -37,7 +37,6 @@ def logprobs(hf: dict, layout, path: str | None, trainable: bool) -> torch.Tenso
 
 
 def main() -> None:
-    import torch.distributed as dist
 
     hf_dir, mcore_dir, out = sys.argv[1:4]
     init = init_checkpoint(ModelConfig(init_checkpoint=mcore_dir))
@@ -50,11 +49,7 @@ def main() -> None:
             b = logprobs(hf, LAYOUTS[name], mcore_dir, trainable)
             result[f"{name}/{'actor' if trainable else 'reference'}"] = float((a - b).abs().max())
         result[f"{name}/vs_random_init"] = float((a - logprobs(hf, LAYOUTS[name], None, False)).abs().max())
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,13 @@ pick NCCL and put both ranks on one device. GPU tests pass `cuda=True`."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.mp.common import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_env(**extra: str) -> dict[str, str]:

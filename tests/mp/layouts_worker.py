@@ -6,7 +6,6 @@ losses and the max |Δ| of the final weights of every layout against the first o
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -26,6 +25,7 @@ from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.hf_io import HFCheckpointReader  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_to_rank0  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 
 LAYOUTS = {
     "tp1": ParallelLayout(),
@@ -104,11 +104,7 @@ def main() -> None:
                 entry["missing"] = sorted(set(ref_weights) - set(weights))
                 entry["weight_change"] = max((weights[k] - initial[k]).abs().max().item() for k in weights)
             result[f"{objective}/{name}"] = entry
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

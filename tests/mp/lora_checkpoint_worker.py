@@ -9,7 +9,6 @@ adapters from the checkpoint) then take the same second step.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -36,6 +35,7 @@ from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.lora_layouts_worker import ALGO, LORA, LORA_EXPERTS  # noqa: E402
 
 from megatron_rl.config.schema import LoraConfig, TrainerConfig  # noqa: E402  isort: skip
+from tests.mp.common import finish  # noqa: E402
 
 
 def build(hf_dir: str, layout: ParallelLayout, lora: LoraConfig) -> Actor:
@@ -86,10 +86,7 @@ def main() -> None:
         result[name] = entry
     if dist.get_rank() == 0:
         torch.save(export, f"{out}.export.pt")
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ each DP rank only its own shard of the gradient buffer, and the full gradients a
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -29,6 +28,7 @@ from megatron_rl.megatron.lora import adapter_shards, adapters_disabled, merged_
 from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import make_batch  # noqa: E402
 
 NO_DIST_OPT = dict(use_distributed_optimizer=False)
@@ -121,11 +121,7 @@ def main() -> None:
     hf_dir, kind, out = sys.argv[1], sys.argv[2], sys.argv[3]
     lora = LORA_EXPERTS if kind == "moe_experts" else LORA
     result = {name: run_layout(hf_dir, LAYOUTS[name], lora) for name in KIND_LAYOUTS[kind]}
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

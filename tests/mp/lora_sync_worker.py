@@ -7,7 +7,6 @@ and the server's log-probs against the trainer's adapted model.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.lora_sync import sync_lora  # noqa: E402
 from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.lora_layouts_worker import ALGO, LORA, LORA_EXPERTS  # noqa: E402
 from tests.mp.sync_worker import server_diff  # noqa: E402
@@ -77,10 +77,7 @@ def main() -> None:
         if transport is not None:
             transport.close()
         result[name] = entry
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ cpu_compat.apply()   # explicit: the trainer's modules import megatron-core
 from megatron_rl.config.loader import load_recipe, to_dict  # noqa: E402
 from megatron_rl.megatron.devices import backend, init_distributed  # noqa: E402
 from megatron_rl.train.loop import open_metrics_log  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 
 
 def main() -> None:
@@ -42,13 +43,12 @@ def main() -> None:
                "wandb_config_is_resolved_recipe": bool(calls) and calls[0]["config"] == to_dict(cfg)}]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report[0])
+    result = None
     if rank == 0:
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        Path(out).write_text(json.dumps({"ranks": gathered, "lines": lines, "backend": backend(),
-                                         "world_backend": dist.get_backend(),
-                                         "tensorboard_files": len(list((run / "tensorboard").glob("*")))}))
-    dist.barrier()
-    dist.destroy_process_group()
+        result = {"ranks": gathered, "lines": lines, "backend": backend(), "world_backend": dist.get_backend(),
+                  "tensorboard_files": len(list((run / "tensorboard").glob("*")))}
+    finish(result, out)
 
 
 class _Run:

@@ -4,7 +4,6 @@ normally. Writes a JSON report from rank 0."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -26,6 +25,8 @@ from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
+
+from tests.mp.common import finish  # noqa: E402
 
 
 def snapshot(actor: Actor) -> list[torch.Tensor]:
@@ -62,16 +63,12 @@ def main() -> None:
     changed = any(not torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
     skipped = torch.tensor([m_grad["update_skipped"]])
     dist.all_reduce(skipped, op=dist.ReduceOp.MIN)       # 1 only if every rank skipped
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({
-            "bad_skipped": m_bad["update_skipped"], "bad_loss_finite": math.isfinite(m_bad["loss/total"]),
+    finish({"bad_skipped": m_bad["update_skipped"], "bad_loss_finite": math.isfinite(m_bad["loss/total"]),
             "weights_unchanged_after_bad": unchanged, "good_skipped": m_good["update_skipped"],
             "weights_changed_after_good": changed, "lr_after_bad": lr_after_bad,
             "grad_skipped_on_all_ranks": float(skipped), "grad_loss": m_grad["loss/total"],
             "grad_norm_poisoned": m_grad["grad_norm"], "weights_unchanged_after_bad_grad": unchanged_grad,
-            "good_grad_norm": m_good["grad_norm"]}))
-    dist.barrier()
-    dist.destroy_process_group()
+            "good_grad_norm": m_good["grad_norm"]}, out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ OUT_DIR/LAYOUT.pt the first step's full gradients and the final weights, to comp
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 import torch
@@ -37,6 +36,8 @@ from megatron_rl.weights.sharding import gather_to_rank0, local_params, unshard 
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from layouts_worker import OBJECTIVES, make_batch  # noqa: E402
+
+from tests.mp.common import finish  # noqa: E402
 
 LAYOUTS = {
     "tp1": ParallelLayout(),
@@ -126,11 +127,7 @@ def main() -> None:
         results[name], tensors = run_layout(hf_dir, LAYOUTS[name], ref)
         if dist.get_rank() == 0:
             torch.save(tensors, f"{out}/{name}.pt")
-    if dist.get_rank() == 0:
-        with open(f"{out}/result.json", "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, f"{out}/result.json")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_released_checkpoints.py (4 gloo processes).
+"""torchrun worker for tests/integration/test_released_checkpoints.py (4 gloo processes).
 
 `torchrun --nproc-per-node 4 tests/mp/released_worker.py SPEC_JSON OUT_JSON`. Per case of the spec:
 - round trips: hf-to-mcore at one layout, mcore-to-hf at the next (cyclically);
@@ -33,6 +33,7 @@ from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights import convert_worker as cw  # noqa: E402
 from megatron_rl.weights.convert import ConvertJob, ConvertLayout  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 
 LAYOUTS = {
     "tp1": dict(),
@@ -101,10 +102,7 @@ def run_case(case: dict[str, Any], ref: dict[str, torch.Tensor]) -> dict[str, An
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     result = {name: run_case(case, torch.load(case["reference"])) for name, case in spec["cases"].items()}
-    if dist.get_rank() == 0:
-        Path(sys.argv[2]).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, sys.argv[2])
 
 
 if __name__ == "__main__":

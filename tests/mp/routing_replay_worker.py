@@ -18,7 +18,6 @@ forward, the metric the actor reported, and how the tokens without a recorded ro
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 
 import torch
@@ -38,6 +37,7 @@ from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  #
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import make_batch  # noqa: E402
 
 LAYOUTS = {
@@ -197,11 +197,7 @@ def main() -> None:
     result = {"recorded_experts_used": sorted(set(batch.routes.long().unique().tolist()))}
     for name in LAYOUTS:
         result[name] = run_layout(hf_dir, name, batch)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

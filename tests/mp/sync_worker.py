@@ -6,7 +6,6 @@ check the server's log-probs against the trainer's.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -37,6 +36,8 @@ from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
+
+from tests.mp.common import finish  # noqa: E402
 
 
 class CorruptingTransport(FileTransport):
@@ -106,10 +107,7 @@ def main() -> None:
             good.close()
             transport.close()
         result[name] = entry
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

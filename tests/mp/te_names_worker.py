@@ -12,7 +12,6 @@ back out (the sync/export path); rank 0 reports whether every tensor round-trips
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -35,6 +34,8 @@ from megatron_rl.weights.sharding import gather_hf_layers, local_params, te_alia
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS  # noqa: E402
+
+from tests.mp.common import finish  # noqa: E402
 
 
 def _move(src: torch.nn.Module, name: str, dst: torch.nn.Module, new: str) -> None:
@@ -102,9 +103,7 @@ def main() -> None:
     reader.close()
     if dist.get_rank() == 0:
         result["alias_table"] = {"table": te_aliases(), "spec_maps": spec_maps(hf)}
-        Path(out).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ synced server and compare the sampled tokens' log-probs with the trainer's.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -36,6 +35,8 @@ from megatron_rl.weights.transport_engine import SharedSegmentTransport  # noqa:
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
+
+from tests.mp.common import finish  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -133,10 +134,7 @@ def main() -> None:
     if good:
         good.close()
         bad.close()
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 if __name__ == "__main__":

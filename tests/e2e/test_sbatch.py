@@ -1,0 +1,197 @@
+"""`megatron-rl sbatch`: every recipe renders to a script that bash and shellcheck accept; recipe
+values stay literal; the script's logic runs in a sandbox with stand-ins for srun/scontrol; and on
+a real one-node Slurm (tests/slurm/start_slurm.sh) the tiny recipe trains, survives scancel +
+resubmission, and a SIGUSR1 before the time limit checkpoints, requeues and resumes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.rollout import REPO, demo_assets
+
+START_SLURM = REPO / "tests" / "slurm" / "start_slurm.sh"
+
+
+# The tiny CPU run of the trainer tests, as a Slurm job on this machine's one node.
+CPU_JOB = ["trainer.global_batch_size=16", "rollout.n=4", "trainer.micro_batch_size=4", "rollout.max_concurrency=1",
+           "container.runtime=none", "parallelism.gpus_per_node=1", "slurm.gpus_per_node=0"]
+
+
+# ------------------------------------------------------------------------------------ real Slurm
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65535:
+            try:
+                with socket.socket() as a, socket.socket() as b:
+                    a.bind(("", port))
+                    b.bind(("", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201  (Iterator[dict[str, str]])
+    """A one-node Slurm of our own (own state dir and ports), stopped at the end of the module."""
+    missing = [t for t in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"Slurm not installed ({', '.join(missing)}); tools/install_ci_system_deps.sh installs it")
+    if os.geteuid() != 0:
+        pytest.skip("the one-node Slurm runs slurmd, which needs root")
+    demo_assets()                       # the tiny recipes' model and data, checked when a job is rendered
+    state = tmp_path_factory.mktemp("slurm")
+    env = dict(os.environ, MRL_SLURM_PORT=str(_free_port_pair()))
+    proc = subprocess.run([str(START_SLURM), "start", str(state)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    try:
+        yield dict(os.environ, SLURM_CONF=proc.stdout.strip().splitlines()[-1], OMP_NUM_THREADS="1")
+    finally:
+        subprocess.run([str(START_SLURM), "stop", str(state)], env=env, capture_output=True, timeout=120)
+
+
+def submit(env: dict[str, str], out: Path, name: str, *overrides: str) -> tuple[str, Path]:
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "sbatch", str(REPO / "recipes/tiny/grpo.yaml"),
+                           *CPU_JOB, f"logging.output_dir={out}", f"logging.run_name={name}",
+                           f"slurm.master_port={_free_port_pair()}", *overrides, "--submit"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = next(line.split()[-1] for line in proc.stdout.splitlines() if line.startswith("Submitted batch job"))
+    return job, out / name
+
+
+def job_info(env: dict[str, str], job: str) -> dict[str, str]:
+    text = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return dict(f.split("=", 1) for f in text.split() if "=" in f)
+
+
+def wait_for(env: dict[str, str], job: str, run: Path, done: object, timeout: float = 360) -> dict[str, str]:
+    """Poll until `done(info)`; on time-out fail with the job's state and the end of its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(env, job)
+        if done(info):
+            return info
+        time.sleep(0.5)       # steps take ~1 s here: the tests act between two of them
+    logs = "".join(p.read_text()[-3000:] for p in (run / "slurm").glob("*.out"))
+    pytest.fail(f"job {job} stuck in {job_info(env, job).get('JobState')}; log:\n{logs}")
+
+
+def finished(info: dict[str, str]) -> bool:
+    return info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
+def steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def log_of(run: Path, job: str) -> str:
+    return (run / "slurm" / f"{job}.out").read_text()
+
+
+def test_sbatch_reads_quoted_options_literally(slurm: dict[str, str], tmp_path: Path) -> None:
+    """sbatch parses #SBATCH lines itself: the quoted job name and log path must arrive intact."""
+    job, run = submit(slurm, tmp_path / "out dir", "held", "slurm.job_name='name with $(x) spaces'",
+                      "slurm.extra_sbatch=[--hold]")
+    try:
+        info = job_info(slurm, job)
+        assert info["JobState"] == "PENDING"
+        text = subprocess.run(["scontrol", "show", "job", job], env=slurm, capture_output=True, text=True).stdout
+        assert "JobName=name with $(x) spaces" in text and f"StdOut={run}/slurm/{job}.out" in text
+        # The resource lines as Slurm took them: whole node, all of its memory.
+        assert info["OverSubscribe"] == "NO" and info["MinMemoryNode"] == "0", info
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+
+
+def test_a_gpu_job_whose_container_sees_no_gpu_refuses_to_start(slurm: dict[str, str], tmp_path: Path) -> None:
+    """The recipe expects a GPU; Slurm grants one (the CI node's stand-in) and the host's nvidia-smi
+    lists it, but CUDA inside the job's Python sees none (as in a container started without --nv):
+    the preflight refuses with one message and nothing trains on the CPU."""
+    host_bin = tmp_path / "host bin"
+    host_bin.mkdir()
+    (host_bin / "nvidia-smi").write_text('#!/bin/bash\necho "GPU 0: stand-in (UUID: GPU-0)"\n')
+    (host_bin / "nvidia-smi").chmod(0o755)
+    env = dict(slurm, PATH=f"{host_bin}:{slurm['PATH']}")
+    job, run = submit(env, tmp_path, "gpu", "slurm.gpus_per_node=1", "trainer.max_steps=1")
+    info = wait_for(env, job, run, finished)
+    log = log_of(run, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", log[-3000:]
+    assert info["TresPerNode"] == "gres:gpu:1", info
+    refusal = [line for line in log.splitlines() if "inside the container:" in line]
+    assert len(refusal) == 1, log[-3000:]
+    for expected in ("1 GPU(s) per node expected", "CUDA sees 0", "refusing to fall back to the CPU",
+                     "CUDA_VISIBLE_DEVICES='0'", "slurm.gpus_per_node=0"):
+        assert expected in refusal[0], (expected, refusal[0])
+    assert "nothing was started" in log and "trainer on" not in log
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_tiny_recipe_trains_as_a_slurm_job(slurm: dict[str, str], tmp_path: Path) -> None:
+    job, run = submit(slurm, tmp_path, "plain", "trainer.max_steps=2")
+    info = wait_for(slurm, job, run, finished)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log_of(run, job)[-3000:]
+    assert steps(run) == [1, 2]
+    assert (run / "checkpoints" / "step_00000002" / "complete.json").is_file()
+    assert (run / "hf_export").is_dir() and "training finished" in log_of(run, job)
+    # Whole node: every CPU to the one task; the rank gets them less the colocated server's share.
+    cpus = int(info["NumCPUs"])
+    assert cpus == os.cpu_count() and info["OverSubscribe"] == "NO" and info["MinMemoryNode"] == "0"
+    threads = max(1, cpus - 3)          # tiny: 1 API server + 1 engine core + 1 worker
+    assert f"per node {cpus} CPUs, 3 for a colocated server, OMP_NUM_THREADS={threads} per rank" in log_of(run, job)
+    assert "memory --mem=0" in log_of(run, job)
+
+
+def test_scancel_then_resubmit_resumes_and_logs_each_step_once(slurm: dict[str, str], tmp_path: Path) -> None:
+    common = ["trainer.max_steps=8", "checkpoint.save_interval=1"]
+    job, run = submit(slurm, tmp_path, "cancelled", *common)
+    first = run / "checkpoints" / "step_00000001" / "complete.json"
+    wait_for(slurm, job, run, lambda info: first.is_file() or finished(info))
+    assert first.is_file(), log_of(run, job)[-3000:]
+    subprocess.run(["scancel", job], env=slurm, check=True)
+    # Gone from the queue: no process of the job is left (COMPLETING is over).
+    wait_for(slurm, job, run, finished)    # not while COMPLETING: the job's processes are gone
+    assert job_info(slurm, job)["JobState"] == "CANCELLED"
+    done_before = steps(run)
+    assert done_before and done_before[-1] < 8, log_of(run, job)[-3000:]
+    job2, _ = submit(slurm, tmp_path, "cancelled", *common)    # same run name: the new job resumes
+    info = wait_for(slurm, job2, run, finished)
+    assert info["JobState"] == "COMPLETED", log_of(run, job2)[-3000:]
+    assert "[resume] from" in log_of(run, job2)
+    assert steps(run) == list(range(1, 9))
+
+
+def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: dict[str, str], tmp_path: Path) -> None:
+    job, run = submit(slurm, tmp_path, "requeued", "trainer.max_steps=10", "checkpoint.save_interval=1")
+    first = run / "checkpoints" / "step_00000001" / "complete.json"
+    wait_for(slurm, job, run, lambda info: first.is_file() or finished(info))
+    assert first.is_file(), log_of(run, job)[-3000:]
+    # What Slurm does slurm.signal_before_s before the time limit (--signal=B:USR1@N).
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    wait_for(slurm, job, run, lambda info: info.get("Restarts") == "1" and info.get("JobState") == "PENDING")
+    # A requeued job is held back ~2 minutes (BeginTime); let it start now. Not in the second the
+    # first attempt ended: slurmd revokes that attempt's credential with one-second resolution and
+    # kills a start within it ("Job credential revoked", seen here).
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
+    info = wait_for(slurm, job, run, lambda info: info.get("Restarts") == "1" and finished(info))
+    log = log_of(run, job)
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    for expected in ("[train] SIGUSR1: checkpointed step", f"requeueing job {job}", "(restart 1)", "[resume] from"):
+        assert expected in log, (expected, log[-4000:])
+    assert steps(run) == list(range(1, 11))
+    assert (run / "hf_export").is_dir()
+    assert not list((run / "slurm").glob("stop-*"))

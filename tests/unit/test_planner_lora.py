@@ -1,0 +1,139 @@
+"""The planner's LoRA / QLoRA model against hand arithmetic, and its answer to the published
+question: the fewest 8-GPU 80 GB nodes for Qwen3-235B-A22B GSPO with LoRA and with QLoRA."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import main
+from megatron_rl.config import load_recipe
+from megatron_rl.lint import lint
+from megatron_rl.nf4 import nf4_bytes, nf4_bytes_per_param
+from megatron_rl.planner.lora import total_adapter_params
+from megatron_rl.planner.memory import GB, Hardware
+from megatron_rl.planner.modes import compare, with_nodes
+from megatron_rl.planner.params import count_params
+from megatron_rl.planner.plan import estimate, search
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes/qwen3_235b_a22b/gspo_qlora.yaml"
+Q235 = json.loads((REPO / "recipes/models/qwen3_235b_a22b/config.json").read_text())
+HW = Hardware(8, 80.0)
+REL = 1e-9
+
+# Qwen3-235B-A22B by hand: hidden 4096, 64 query heads and 4 KV heads of 128, 128 experts of width
+# 1536, 94 layers, vocab 151936, untied embedding/output.
+H, Q_OUT, KV_OUT, LAYERS, VOCAB = 4096, 64 * 128, 4 * 128, 94, 151936
+ATTENTION = H * (Q_OUT + 2 * KV_OUT) + Q_OUT * H             # q, k, v, o weights
+EXPERTS = 128 * 3 * H * 1536                                # gate, up, down of every expert
+REPLICATED = 2 * 128 + 128 * H + 2 * H                      # q/k norms, router, two RMSNorms
+R = 8
+
+
+def test_adapter_count_by_hand() -> None:
+    # PEFT on q_proj, k_proj, v_proj, o_proj: A [r × in], B [out × r] each.
+    per_layer = R * (H + Q_OUT) + 2 * R * (H + KV_OUT) + R * (Q_OUT + H)
+    assert per_layer == 270_336
+    assert total_adapter_params(count_params(Q235), R, ("q", "k", "v", "o")) == LAYERS * per_layer
+    assert total_adapter_params(count_params(Q235), R, ("q", "v")) == LAYERS * R * (2 * H + Q_OUT + KV_OUT)
+
+
+def test_nf4_bytes_by_hand() -> None:
+    # 4-bit codes, one int8 scale per 64 weights, one bf16 factor per 256 scales.
+    assert nf4_bytes(64 * 256, 2) == 8192 + 256 + 2
+    assert nf4_bytes_per_param(2) == pytest.approx(0.5 + 1 / 64 + 2 / (64 * 256), rel=1e-15)
+    assert nf4_bytes(64 * 6, 4) == 192 + 6 + 4               # 6 blocks: one factor for all six
+
+
+def test_qlora_recipe_layout_terms_by_hand() -> None:
+    cfg = load_recipe(RECIPE)
+    p = cfg.parallelism
+    assert (p.nodes, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+            p.expert_model_parallel_size, p.expert_tensor_parallel_size) == (1, 2, 1, 8, 1)
+    terms = {t.key: t.gb * GB for t in estimate(cfg, count_params(Q235), HW).stage.terms}
+    # One GPU of TP 2 × EP 8: half of every attention projection and 16 of the 128 experts in NF4;
+    # half the embedding and the output layer, norms and router in bf16.
+    quantized = LAYERS * (ATTENTION / 2 + EXPERTS / 8)
+    bf16 = LAYERS * REPLICATED + 2 * VOCAB * H / 2 + H
+    # Adapters: q/k/v's A replicated, B split over TP; o's A split, B replicated.
+    adapters = LAYERS * (3 * R * H + R * (Q_OUT + 2 * KV_OUT) / 2 + R * Q_OUT / 2 + R * H)
+    assert adapters == 18_866_176
+    assert terms["weights"] == pytest.approx(2 * bf16 + quantized * nf4_bytes_per_param(2) + 2 * adapters, rel=REL)
+    assert terms["gradients"] == pytest.approx(4 * adapters, rel=REL)                # fp32 main grads
+    assert terms["optimizer"] == pytest.approx(12 * adapters / 4, rel=REL)           # Adam + master, DP 4
+    assert terms["reference"] == 0                       # β 0; with LoRA it would be the base anyway
+    # The largest linear dequantized at a time: this GPU's half of linear_qkv (an expert's fc1 is
+    # 2 × 4096 × 1536 = 12.6 M weights, under 4096 × 9216 / 2 = 18.9 M).
+    assert terms["dequantized"] == pytest.approx(2 * H * (Q_OUT + 2 * KV_OUT) / 2, rel=REL)
+    assert terms["weights"] / GB == pytest.approx(17.8, abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def answers() -> dict:
+    return {a.mode: a for a in compare(load_recipe(RECIPE), Q235, HW)}
+
+
+def test_published_question_fewest_nodes(answers: dict) -> None:
+    full, lora, qlora = answers["full"], answers["lora"], answers["qlora"]
+    # Lower bounds by hand: what never leaves the GPU must fit in 90 % of 8 × 80 GB per node.
+    params, budget = count_params(Q235).total, 8 * 80e9 * 0.9
+    assert math.ceil(6 * params / budget) == 3            # full: bf16 weights + fp32 grads, Adam offloaded
+    assert math.ceil(2 * params / budget) == 1            # LoRA: the frozen bf16 base
+    assert full.trainer_nodes is not None and full.trainer_nodes >= 3
+    assert lora.trainer_nodes == qlora.trainer_nodes == 1
+    # Each answer is the fewest: one node less has no layout that fits.
+    cfg = load_recipe(RECIPE)
+    trial = dataclasses.replace(cfg, lora=full.lora)
+    assert search(with_nodes(trial, full.trainer_nodes - 1), Q235, count_params(Q235), HW, limit=1) == ()
+    # On that one node LoRA's bf16 base (58.8 GB of its 71.5) forces full recompute; QLoRA's
+    # 4-bit base leaves room to keep every activation.
+    assert 2 * params / 8 / GB == pytest.approx(58.8, abs=0.05)
+    assert lora.best.parallelism.recompute_granularity == "full"
+    assert qlora.best.parallelism.recompute_granularity == "none"
+    assert qlora.best.estimate.total_gb < lora.best.estimate.total_gb <= 0.9 * 80
+    # The rollout: one vLLM server of TP 4 × DP 2 on its own node holds the bf16 weights.
+    assert lora.rollout_nodes == qlora.rollout_nodes == 1
+    assert (lora.total_nodes, qlora.total_nodes) == (2, 2)
+
+
+def test_the_qlora_recipe_is_the_planners_answer(answers: dict) -> None:
+    cfg = load_recipe(RECIPE)
+    q = answers["qlora"]
+    assert (cfg.parallelism.nodes, cfg.rollout.nodes) == (q.trainer_nodes, q.rollout_nodes)
+    best = q.best.parallelism
+    own = cfg.parallelism
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                "expert_tensor_parallel_size", "recompute_granularity", "optimizer_cpu_offload"):
+        assert getattr(own, key) == getattr(best, key), key
+    assert q.own.fits and q.own.comfortable
+
+
+def test_qlora_recipe_carries_the_published_run() -> None:
+    cfg = load_recipe(RECIPE)
+    a, r, t, lo = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.lora
+    assert cfg.task == "medmcqa" and "Thinking-2507" in str(cfg.model.init_checkpoint)
+    assert (a.name, r.n, a.kl_beta, cfg.model.reference) == ("gspo", 2, 0.0, "none")
+    assert (t.lr, r.temperature, r.top_p, r.max_response_length, t.max_steps) == (1e-5, 0.7, 0.9, 2000, 50)
+    assert (a.clip_eps_low, a.clip_eps_high, a.steps_per_generation) == (3e-4, 4e-4, 2)
+    assert (lo.rank, lo.alpha, lo.targets, lo.base_quantization) == (8, 16.0, ["q", "k", "v", "o"], "nf4")
+    assert (t.global_batch_size, t.lr_warmup_ratio, t.weight_decay, t.seed) == (4, 0.05, 0.01, 42)
+    assert r.max_prompt_length + r.max_response_length == 2500               # max_length 2500
+    assert {k: v for k, v in cfg.rewards.weights.items() if v} == {"medmcqa_strict": 1.0}
+    assert [f for f in lint(cfg, check_paths=False) if f.level == "error"] == []
+
+
+def test_cli_plan_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(RECIPE), "--modes"]) == 0
+    out = capsys.readouterr().out
+    assert "full / LoRA / QLoRA on 8-GPU 80 GB nodes" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith(("  full", "  lora", "  qlora"))}
+    assert rows["qlora"][1:3] == ["8", "nf4"] and rows["qlora"][7:10] == ["1", "1", "2"]
+    assert main(["plan", str(RECIPE), "--modes", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["modes"]["lora"]["total_nodes"] == 2 and data["modes"]["full"]["trainer_nodes"] >= 3
