@@ -10,13 +10,13 @@ Trainer node, per rank × ranks per node (every rank holds the step's rollout on
 `train/rollout_phase.py` broadcasts the groups to all ranks, `train/batch.py` pads them):
 
 * rollout batch tensors — `TrainBatch` at the padded `seq_len` width: tokens int64 (8 B), mask,
-  rollout / π_old / π_ref log-probs and advantages fp32 (4 B each per target position), routes
+  rollout / π_old / π_ref log-probs fp32 (4 B each per target position), advantages, routes
   (`rollout.routing_replay`: layers × top-k ids per token, uint8 up to 256 experts else int16, plus
   a 1-byte valid flag) — measured against a real `build_batch` in tests/test_planner_host.py;
-* rollout samples — the groups as Python objects: prompt and response token lists (an 8-byte
-  pointer + a 28-byte int object per token; ids < 257 are shared), the response log-probs (8 + 24
-  B per float) and, with routes, each sample's numpy routes array (itemsize × layers × top-k per
-  token); measured with tracemalloc in the same test;
+* rollout samples — the groups as Python objects: token lists (an 8-byte pointer + a 28-byte int
+  object per token; ids < 257 are shared; a prompt's list once per group), the response log-probs
+  (8 + 24 B per float) and, with routes, each sample's numpy routes array (itemsize × layers ×
+  top-k per token); measured with tracemalloc in the same test;
 * CPU Adam (`optimizer_cpu_offload`) — the offloaded states and master weights
   (`memory.stage_memory`'s host share) plus an fp32 staging copy of the shard's gradients (4 B per
   parameter; megatron-core HybridDeviceOptimizer);
@@ -113,9 +113,11 @@ def batch_tensor_bytes(rows: int, seq_len: int, params: ModelParams, routes: boo
     return float(out)
 
 
-def sample_object_bytes(rows: int, prompt: float, response: float, params: ModelParams, routes: bool) -> float:
-    """The rollout groups' Python lists (and numpy routes) on one rank."""
-    out = rows * ((prompt + response) * INT_OBJECT_BYTES + response * FLOAT_OBJECT_BYTES)
+def sample_object_bytes(rows: int, group: int, prompt: float, response: float, params: ModelParams,
+                        routes: bool) -> float:
+    """The rollout groups' Python lists (and numpy routes) on one rank; the n samples of a prompt
+    share its token list (`rollout/client.py`; pickling keeps the sharing)."""
+    out = rows / group * prompt * INT_OBJECT_BYTES + rows * response * (INT_OBJECT_BYTES + FLOAT_OBJECT_BYTES)
     if routes:
         out += rows * (prompt + response - 1) * route_bytes_per_token(params)
     return out
@@ -138,7 +140,7 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, lay: Layout, stag
     routes = r.routing_replay and params.dims.experts > 0
     ref = cfg.algorithm.kl_beta > 0
     tensors = batch_tensor_bytes(rows, lay.seq_length, params, routes, ref)
-    objects = sample_object_bytes(rows, prompt, response, params, routes)
+    objects = sample_object_bytes(rows, r.n, prompt, response, params, routes)
     route_note = f", routes {rows * lay.seq_length * (route_bytes_per_token(params) + 1) / GB:.1f} GB" if routes else ""
     staging = 4 * stage.host_gb / 12 if lay.optimizer_offload else 0.0
     out = [HostTerm("process", "trainer processes", ranks * PROCESS_GB, f"{ranks} ranks × {PROCESS_GB:g} GB"),
