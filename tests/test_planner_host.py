@@ -31,7 +31,6 @@ from megatron_rl.planner.host import (
 from megatron_rl.planner.memory import GB, Hardware
 from megatron_rl.planner.plan import estimate
 from megatron_rl.planner.timing import Workload
-from megatron_rl.tasks import LoadedTask
 from megatron_rl.train.batch import Scores, build_batch
 from megatron_rl.types import RolloutGroup, Sample
 
@@ -70,7 +69,8 @@ def test_batch_tensors_match_build_batch(experts: int) -> None:
     scores = Scores([""] * 12, [0.0] * 12, [{}] * 12, {})
     batch = build_batch(groups, scores, seq_len, 0).batch
     # The log-prob phase adds π_old and π_ref, [N, L − 1] fp32 like the rollout's.
-    batch = dataclasses.replace(batch, old_logprobs=torch.zeros(12, seq_len - 1), ref_logprobs=torch.zeros(12, seq_len - 1))
+    lp = torch.zeros(12, seq_len - 1)
+    batch = dataclasses.replace(batch, old_logprobs=lp, ref_logprobs=lp.clone())
     assert _tensor_bytes(batch) == batch_tensor_bytes(12, seq_len, params, routes=True, ref=True)
     no_routes = dataclasses.replace(batch, routes=None, routes_valid=None, ref_logprobs=None)
     assert _tensor_bytes(no_routes) == batch_tensor_bytes(12, seq_len, params, routes=False, ref=False)
