@@ -81,8 +81,7 @@ def nemo_rl_qwen3_235b() -> PublishedRun:
     cfg = _recipe("nemo-rl-v0.6-qwen3-235b-16n8g", hf, 8192, par, dict(tensor_parallel_size=16),
                   TrainerConfig(global_batch_size=512, micro_batch_size=1, max_tokens_per_microbatch=8192), 1)
     return PublishedRun("Qwen3-235B-A22B", "NeMo-RL v0.6 H100 BF16, on-policy GRPO, 128 GPUs", cfg, hf,
-                        5698, 395.0, 58.9, ("context parallelism 2", "PP 8 over 94 layers (uneven stages)",
-                                            "vLLM TP 16 across two nodes"))
+                        5698, 395.0, 58.9, ("context parallelism 2", "PP 8 over 94 layers (uneven stages)"))
 
 
 def nemo_rl_qwen3_30b() -> PublishedRun:

@@ -20,6 +20,7 @@ asserted below: 352.5 s vs 395 s (−10.8 %), 64.7 vs 58.9 tokens/s/GPU; 177.7 s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
+from megatron_rl.config.schema import LoraConfig
 from megatron_rl.planner import PlannerError, count_params
 from megatron_rl.planner.gpus import DEFAULT_GPU, GPUS, HOST_STEP_OVERHEAD_S, gpu
 from megatron_rl.planner.memory import GB, Hardware, Layout, rollout_memory
@@ -124,6 +126,10 @@ def test_train_and_logprob_seconds_by_hand() -> None:
     optimizer = (3 / 4 * dense + 1 / 2 * expert) * 6 / 50e9
     t = train_seconds(params, cfg, lay, wl, g, hw)
     assert t.seconds == pytest.approx(2 * (per_step + optimizer))
+    # LoRA: no weight gradients (2 passes + the recompute's forward) and no full-model optimizer.
+    lora_cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=8))
+    lora = train_seconds(params, lora_cfg, Layout.from_recipe(lora_cfg), wl, g, hw)
+    assert lora.seconds == pytest.approx(2 * per_step * 3 / 4)
     # π_old and π_ref over both minibatches' rows (KL on), forward only.
     lp = logprob_seconds(params, cfg, lay, wl, g)
     assert lp.seconds == pytest.approx(2 * 2 * forward / (world * g.peak_flops * 0.15) * (1 + 1 / (2 * rows / dp)))
@@ -228,7 +234,7 @@ def test_rank_time_is_no_slower_than_the_memory_proxy() -> None:
     assert fastest is not None
     from megatron_rl.planner.plan import estimate
 
-    timed = estimate(__import__("dataclasses").replace(cfg, parallelism=proxy.parallelism), count_params(hf), hw,
+    timed = estimate(dataclasses.replace(cfg, parallelism=proxy.parallelism), count_params(hf), hw,
                      workload=Workload.of(cfg)).time
     assert timed is not None and fastest.seconds <= timed.seconds + 1e-6
 

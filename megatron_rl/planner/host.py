@@ -20,8 +20,9 @@ Trainer node, per rank × ranks per node (every rank holds the step's rollout on
 * CPU Adam (`optimizer_cpu_offload`) — the offloaded states and master weights
   (`memory.stage_memory`'s host share) plus an fp32 staging copy of the shard's gradients (4 B per
   parameter; megatron-core HybridDeviceOptimizer);
-* process baseline — PROCESS_GB per rank (Python, torch, CUDA's host-side context, NCCL's pinned
-  buffers, megatron-core): a measured order of magnitude, not derived;
+* process baseline — PROCESS_GB per rank: Python, torch, transformers and megatron-core take
+  0.4 GB of RSS after import (measured on CPU); CUDA's libraries and context, Transformer Engine
+  and NCCL's pinned host buffers add a few GB per GPU process (an estimate, not derived);
 * weight-sync segments (rank 0's node, `weight_transfer: shm`) — one copy of the synced weights in
   the rollout dtype: in /dev/shm (tmpfs = RAM) for a lone server on that node, else files in the
   shared run directory whose written pages stay in the page cache (reclaimable once flushed);
@@ -143,14 +144,14 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, lay: Layout, stag
     objects = sample_object_bytes(rows, r.n, prompt, response, params, routes)
     route_note = f", routes {rows * lay.seq_length * (route_bytes_per_token(params) + 1) / GB:.1f} GB" if routes else ""
     staging = 4 * stage.host_gb / 12 if lay.optimizer_offload else 0.0
-    out = [HostTerm("process", "trainer processes", ranks * PROCESS_GB, f"{ranks} ranks × {PROCESS_GB:g} GB"),
+    out = [HostTerm("process", "trainer processes", ranks * PROCESS_GB, f"{ranks} rank(s) × {PROCESS_GB:g} GB"),
            HostTerm("batch", "rollout batch tensors", ranks * tensors / GB,
                     f"{rows} rows × {lay.seq_length} per rank{route_note}"),
            HostTerm("samples", "rollout samples (Python objects)", ranks * objects / GB,
                     f"{prompt:.0f} + {response:.0f} tokens per sample per rank"),
            HostTerm("cpu_adam", "CPU Adam states + grad staging", ranks * (stage.host_gb + staging),
                     "optimizer_cpu_offload" if lay.optimizer_offload else "optimizer on the GPU")]
-    sync = params.total * DTYPE_BYTES[r.dtype] / GB if r.weight_transfer == "shm" and not cfg.lora.rank else 0.0
+    sync = sync_bytes(params, cfg) / GB if r.weight_transfer == "shm" else 0.0
     lone = r.placement == "colocated" and cfg.parallelism.nodes == 1
     where = "/dev/shm (tmpfs)" if lone else "page cache of the shared run dir" if sync else r.weight_transfer
     out.append(HostTerm("sync_segments", "weight-sync segments (rank 0's node)", sync, where, reclaimable=not lone))
@@ -169,6 +170,15 @@ def vllm_host_terms(cfg: RecipeConfig, ro: RolloutMemory) -> list[HostTerm]:
     out.append(HostTerm("vllm_sleep", "vLLM weights while asleep", slept,
                         "sleep_level 1: weights backed up in host RAM" if slept else f"sleep_level {r.sleep_level}"))
     return out
+
+
+def sync_bytes(params: ModelParams, cfg: RecipeConfig) -> float:
+    """Bytes of one weight sync: every tensor, or with LoRA the merged tensors it touches."""
+    nbytes = DTYPE_BYTES[cfg.rollout.dtype]
+    if not cfg.lora.rank:
+        return params.total * nbytes
+    touched = params.component("attention") + (params.component("moe_experts") if "experts" in cfg.lora.targets else 0)
+    return touched * nbytes
 
 
 def largest_tensor(params: ModelParams) -> float:

@@ -22,9 +22,10 @@ The loop's phases (`train/loop.py`), in order, and how each is modelled:
   (2 · s² · heads · head_dim per full-attention layer), at the training MFU, with the pipeline's
   fill and drain ((PP − 1) / micro-batches);
 * **train** — `steps_per_generation` optimizer steps: 6 · active params · tokens (+2 with full
-  recompute, the extra forward) + 3 × the forward attention, over world × peak × MFU, the pipeline
-  bubble; the distributed optimizer's reduce-scatter of fp32 gradients and all-gather of bf16
-  weights over the data-parallel groups (ring: 2 · (n − 1)/n · bytes per GPU, InfiniBand when the
+  recompute, the extra forward; 4 with LoRA: a frozen base has no weight gradients) + as many
+  forward attentions, over world × peak × MFU, the pipeline bubble; the distributed optimizer's
+  reduce-scatter of fp32 gradients and all-gather of bf16 weights over the data-parallel groups
+  (rings: (n − 1)/n · 6 bytes per parameter of the GPU's model shard, over InfiniBand when the
   group spans nodes); CPU Adam (`optimizer_cpu_offload`): gradients down and weights up over PCIe,
   and the step itself at the node's host memory bandwidth;
 * **sync** (`rollout.weight_transfer`) — global rank 0 gathers every tensor (over its NIC from
@@ -34,9 +35,13 @@ The loop's phases (`train/loop.py`), in order, and how each is modelled:
   worker; `ipc` copies every tensor to each GPU of the servers on rank 0's node (NVLink). Each
   server's workers then load their part (PCIe for `shm`).
 
-No async mode exists (the rollout of step k + 1 waits for the sync of step k), so the step is the
-sum. Tokens/s/GPU counts prompt + response tokens of every sample, over the step and every GPU of
-the job (trainer and rollout nodes), as NeMo-RL's performance summary does.
+Gated DeltaNet layers (Qwen3-Next) count through their projections (in the active parameters);
+their chunked recurrence (a few FLOPs per head × key dim × value dim per token) is left out: ~1 %
+of Qwen3-Next's forward. No async mode exists (the rollout of step k + 1 waits for the sync of
+step k), so the step is the sum. Tokens/s/GPU counts prompt + response tokens of every sample,
+over the step and every GPU of the job (trainer and rollout nodes), as NeMo-RL's performance
+summary does. Reward scoring, the sync's verification (4 probe sequences) and evaluation every
+`evaluation.interval` steps are left out.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from dataclasses import dataclass
 
 from ..config.schema import RecipeConfig
 from .gpus import HOST_STEP_OVERHEAD_S, IB_LATENCY_S, NVLINK_LATENCY_S, SHARED_FS_GB_S, GpuSpec
+from .host import sync_bytes
 from .memory import DTYPE_BYTES, GB, Hardware, Layout, RolloutMemory
 from .params import ModelParams, Shard
 
@@ -314,10 +320,13 @@ def train_seconds(params: ModelParams, cfg: RecipeConfig, lay: Layout, wl: Workl
     forward = _forward_flops(params, rows, seq)
     if cfg.algorithm.name == "chord":
         forward += _forward_flops(params, cfg.algorithm.chord.sft_batch_size, seq)
-    flops = forward * (4 if recompute else 3)
+    # A forward, the backward's activation gradients (one more) and, unless LoRA freezes the base,
+    # its weight gradients (one more); full recompute repeats the forward.
+    passes = (2 if lay.lora_rank else 3) + int(recompute)
+    flops = forward * passes
     compute = flops / (lay.world * g.peak_flops * g.train_mfu) * (1 + _bubble(lay, _microbatches(lay, rows, seq)))
     optimizer = optimizer_seconds(params, lay, g, hw)
-    note = (f"{spg} × ({rows} rows × {seq:.0f} tokens, {'4' if recompute else '3'} passes, "
+    note = (f"{spg} × ({rows} rows × {seq:.0f} tokens, {passes} passes, "
             f"{compute:.1f} s + optimizer {optimizer:.1f} s)")
     return Phase("train", "train (forward, backward, optimizer)", spg * (compute + optimizer), note)
 
@@ -342,21 +351,14 @@ def optimizer_seconds(params: ModelParams, lay: Layout, g: GpuSpec, hw: Hardware
 
 
 # ----------------------------------------------------------------------------- sync, sleep
-def sync_bytes(params: ModelParams, cfg: RecipeConfig) -> float:
-    nbytes = DTYPE_BYTES[cfg.rollout.dtype]
-    if not cfg.lora.rank:
-        return params.total * nbytes
-    touched = params.component("attention") + (params.component("moe_experts") if "experts" in cfg.lora.targets else 0)
-    return touched * nbytes
-
-
 def sync_seconds(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, g: GpuSpec, hw: Hardware) -> Phase:
     nbytes = sync_bytes(params, cfg)
     nodes = cfg.parallelism.nodes
     gather = nbytes * (1 - 1 / nodes) / (g.ib_gb_s * 1e9) + nbytes / nodes / (g.nvlink_gb_s * 1e9)
     r = cfg.rollout
     remote = r.placement == "disaggregated" or nodes > 1
-    load = ro.weights_gb * GB / (g.pcie_gb_s * 1e9)
+    # Each server GPU loads its part of what is sent (all of its weights, or LoRA's touched share).
+    load = ro.weights_gb * GB * nbytes / (params.total * DTYPE_BYTES[r.dtype]) / (g.pcie_gb_s * 1e9)
     if r.weight_transfer == "nccl":
         send, how = nbytes / ((g.ib_gb_s if remote else g.nvlink_gb_s) * 1e9), "one NCCL broadcast"
     elif r.weight_transfer == "ipc":
