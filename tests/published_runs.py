@@ -17,6 +17,13 @@ refuse is modelled anyway and listed in `modelled`: context parallelism, a pipel
 94 layers (NeMo-RL: 11 + 6 × 12 + 11), vLLM engines of TP 16 across two nodes. The weight transfer
 is `nccl` (NeMo-RL's refit is GPU to GPU too).
 
+Other rows of the same page, predicted with the same constants and not asserted (they were looked
+at after the constants were set; GB200 has no row of its own here, so the B200 row with 4 GPUs
+per node and 186 GB stands in, and its 72-GPU NVLink domain is treated as InfiniBand):
+Qwen3-235B-A22B on 256 H100: 284 s vs 312 s (−9 %), 40.3 vs 37.4 tokens/s/GPU; on 64 GB200:
+299 s vs 286 s (+4 %); on 128 GB200: 248 s vs 345 s (−28 %; the published run is slower than the
+64-GPU one); Qwen3-30B-A3B on 16 GB200: 150 s vs 221 s (−32 %).
+
 Prompt length: OpenMathInstruct-2 problems in NeMo-RL's `cot.txt` template; the summary gives only
 prompt + response (the "G-Average Seq len"). PROMPT_TOKENS is a round estimate of the template
 (~40 tokens) plus a problem (~100); the prediction moves by well under 1 % per 50 tokens of it.

@@ -40,7 +40,9 @@ their chunked recurrence (a few FLOPs per head × key dim × value dim per token
 of Qwen3-Next's forward. No async mode exists (the rollout of step k + 1 waits for the sync of
 step k), so the step is the sum. Tokens/s/GPU counts prompt + response tokens of every sample,
 over the step and every GPU of the job (trainer and rollout nodes), as NeMo-RL's performance
-summary does. Reward scoring, the sync's verification (4 probe sequences) and evaluation every
+summary does. One MFU serves every layout: TP and EP communication are inside it, so
+`plan --rank time` tells layouts apart by recompute, pipeline bubble, CPU Adam and gradient sync,
+not by their collectives. Reward scoring, the sync's verification (4 probe sequences) and evaluation every
 `evaluation.interval` steps are left out.
 """
 
