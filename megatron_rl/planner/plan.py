@@ -46,7 +46,6 @@ from .timing import Phase, StepTime, Workload, rollout_seconds, step_time
 
 TP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
 RECOMPUTE_CHOICES: tuple[Literal["none", "full"], ...] = ("none", "full")
-RANKINGS: tuple[str, ...] = ("memory", "time")
 MAX_PP = 16
 SAFE_MARGIN_PCT = 10.0
 LAYOUT_RULES: tuple[str, ...] = ("parallel-sizes", "batch-sizes")

@@ -16,6 +16,8 @@ def _verdict(est: Estimate) -> str:
     largest = est.stage.largest
     status = "FITS" if est.fits else "DOES NOT FIT"
     why = "" if est.rollout.fits or est.margin_gb < 0 else " (the rollout server does not fit)"
+    if not why and est.margin_gb >= 0 and not est.hosts_fit:
+        why = " (a node's host memory does not: see below)"
     if est.fits and not est.comfortable:
         why = f" (thin: under the {SAFE_MARGIN_PCT:g}% safety margin)"
     return (f"{status}{why}: margin {est.margin_gb:+.1f} GB ({est.margin_pct:+.1f}% of "
