@@ -43,6 +43,12 @@ GPU terms outside the model state (added to the trainer's worst stage, `gpu_extr
   as int64 (the index dtype of the router's gather);
 * gathered log-probs (last stage) — every row's log-probs, fp32, gathered over DP
   (`Actor._gather_dp`).
+
+Not GPU terms, and why: vLLM's sleep levels free its weights (1, 2) and KV cache while the trainer
+runs, but the trainer never returns its cached blocks (no `torch.cuda.empty_cache`), so both still
+share every card when vLLM wakes and the colocated sum stands (sleep costs time and, at level 1,
+host RAM: both counted); vLLM's CUDA graphs are inside `memory.VLLM_RUNTIME_GB`; the trainer
+captures none.
 """
 
 from __future__ import annotations
