@@ -271,7 +271,7 @@ def rollout_seconds(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, w
     state_tokens = rep.state_bytes / rep.kv_token_bytes if rep.kv_token_bytes else 0.0
     seconds, preempted = simulate_replica(lengths, wl.prompt_tokens, r.n, rep.concurrency, rep.capacity_tokens,
                                           state_tokens, decode_step_fn(params, rep, g))
-    words = (f"{engines} server(s) × {rep.dp} replica(s), {groups * r.n} samples each, up to "
+    words = (f"{engines} server(s) × {rep.dp} replica(s), {groups * r.n} samples per replica, up to "
              f"{rep.concurrency} at once, KV {rep.capacity_tokens / 1e3:.0f}k tokens; longest "
              f"{wl.longest_response} tokens" + (f"; {preempted} preemptions" if preempted else ""))
     return Phase("rollout", "rollout (prefill + decode, longest sample)", seconds, words), note
