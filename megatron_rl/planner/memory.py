@@ -82,6 +82,10 @@ DTYPE_BYTES: dict[str, int] = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp32": 4, "
 class Hardware:
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0
+    gpu: str = "H100"
+    """GPU type of the time model's constants (`gpus.GPUS`)."""
+    host_memory_gb: float = 2048.0
+    """RAM of one node (the host verdict's capacity)."""
 
 
 @dataclass(frozen=True)
@@ -297,7 +301,12 @@ def optimizer_bytes(dense: float, expert: float, lay: Layout) -> float:
     return per_param * (dense / lay.dense_shards + expert / lay.expert_dp)
 
 
-def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb: float) -> StageMemory:
+ExtraTerms = Callable[[int, float], Sequence[Term]]
+"""(stage, in-flight micro-batches) → GPU terms outside the model state (`host.gpu_extra_terms`)."""
+
+
+def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb: float,
+                 extra: ExtraTerms | None = None) -> StageMemory:
     layers, blocks = stage_blocks(params, stage, lay.pp)
     dense, expert = _sharded(blocks, lay)
     n = dense + expert
@@ -326,6 +335,7 @@ def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb
         Term("dequantized", "dequantized base weight (transient)", sp.transient_bytes / GB),
         Term("vllm", "vLLM (colocated)", colocated_vllm_gb),
         Term("overhead", "CUDA context, NCCL, fragmentation", OVERHEAD_GB),
+        *(extra(stage, in_flight_microbatches(lay, stage)) if extra else ()),
     ]
     return StageMemory(stage, len(layers), tuple(terms), on_host / GB)
 
@@ -338,11 +348,12 @@ def _weights_note(n: float, sp: StageParams, lay: Layout) -> str:
             f"LoRA r{lay.lora_rank} adapters {sp.trainable_dense / 1e6:.1f} M")
 
 
-def worst_stage(params: ModelParams, lay: Layout, colocated_vllm_gb: float) -> StageMemory:
+def worst_stage(params: ModelParams, lay: Layout, colocated_vllm_gb: float,
+                extra: ExtraTerms | None = None) -> StageMemory:
     if lay.pp > len(params.layers):
         raise PlannerError(f"pipeline size {lay.pp} exceeds the model's {len(params.layers)} layers")
     stages = {0, lay.pp - 1}
-    return max((stage_memory(params, lay, s, colocated_vllm_gb) for s in sorted(stages)),
+    return max((stage_memory(params, lay, s, colocated_vllm_gb, extra) for s in sorted(stages)),
                key=lambda m: m.total_gb)
 
 
@@ -364,6 +375,12 @@ class RolloutMemory:
     sequence_gb: float
     """KV cache (and Gated DeltaNet state) of one max-length sequence on one GPU."""
     problem: str = ""
+    kv_token_bytes: float = 0.0
+    """KV cache of one token on one GPU (the full-attention layers)."""
+    state_bytes: float = 0.0
+    """Fixed Gated DeltaNet conv + recurrent state of one sequence on one GPU."""
+    expert_weights_gb: float = 0.0
+    """Of `weights_gb`, the routed experts' share (read only when a token routes to them)."""
 
     @property
     def sequences_per_server(self) -> float:
@@ -385,6 +402,7 @@ def rollout_memory(params: ModelParams, cfg: RecipeConfig, hw: Hardware) -> Roll
     dense = sum(b.params for b in blocks if b.shard is not Shard.EXPERT)
     experts = sum(b.params for b in blocks if b.shard is Shard.EXPERT)
     weights = nbytes * (dense / tp + experts / ep) / GB
+    expert_weights = nbytes * experts / ep / GB
     full = sum(1 for layer in params.layers if layer.mixer == "full_attention")
     linear = len(params.layers) - full
     kv_token = full * 2 * max(1, d.kv_heads // tp) * d.head_dim * nbytes
@@ -404,7 +422,7 @@ def rollout_memory(params: ModelParams, cfg: RecipeConfig, hw: Hardware) -> Roll
     gpus = servers * tp * dp
     return RolloutMemory(r.placement, tp, dp, ep, gpus, servers if not problem else 0,
                          reserved, weights, VLLM_RUNTIME_GB, reserved - weights - VLLM_RUNTIME_GB,
-                         (max_len * kv_token + gdn_state) / GB, problem)
+                         (max_len * kv_token + gdn_state) / GB, problem, kv_token, gdn_state, expert_weights)
 
 
 def reserved_by_colocated_vllm(cfg: RecipeConfig, hw: Hardware) -> float:

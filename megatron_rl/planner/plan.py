@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 from ..config.schema import ParallelismConfig, RecipeConfig
 from ..lint import RULES
+from .gpus import gpu
+from .host import NodeMemory, gpu_extra_terms, trainer_host_terms, vllm_host_terms
 from .memory import (
     Hardware,
     Layout,
@@ -40,6 +42,7 @@ from .memory import (
     worst_stage,
 )
 from .params import ModelParams, count_params
+from .timing import Phase, StepTime, Workload, rollout_seconds, step_time
 
 TP_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
 RECOMPUTE_CHOICES: tuple[Literal["none", "full"], ...] = ("none", "full")
@@ -56,6 +59,9 @@ class Estimate:
     capacity_gb: float
     problems: tuple[str, ...] = ()
     """Divisibility errors of the layout itself (from the linter)."""
+    nodes: tuple[NodeMemory, ...] = ()
+    """GPU and host memory of each node role."""
+    time: StepTime | None = None
 
     @property
     def total_gb(self) -> float:
@@ -71,7 +77,11 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return not self.problems and self.margin_gb >= 0 and self.rollout.fits
+        return not self.problems and self.margin_gb >= 0 and self.rollout.fits and self.hosts_fit
+
+    @property
+    def hosts_fit(self) -> bool:
+        return all(n.host_fits for n in self.nodes)
 
     @property
     def comfortable(self) -> bool:
@@ -109,11 +119,32 @@ def layout_problems(cfg: RecipeConfig, hf: Mapping[str, Any]) -> tuple[str, ...]
                  if f.level == "error")
 
 
-def estimate(cfg: RecipeConfig, params: ModelParams, hw: Hardware,
-             problems: tuple[str, ...] = ()) -> Estimate:
+def estimate(cfg: RecipeConfig, params: ModelParams, hw: Hardware, problems: tuple[str, ...] = (),
+             workload: Workload | None = None, rollout: Phase | None = None) -> Estimate:
+    """Memory of every node role and, given a `workload`, the step's seconds (`rollout`: the
+    rollout phase when already computed: it does not depend on the trainer's layout)."""
     lay = Layout.from_recipe(cfg)
-    stage = worst_stage(params, lay, reserved_by_colocated_vllm(cfg, hw))
-    return Estimate(lay, stage, rollout_memory(params, cfg, hw), hw.gpu_memory_gb, problems)
+    stage = worst_stage(params, lay, reserved_by_colocated_vllm(cfg, hw),
+                        lambda s, in_flight: gpu_extra_terms(cfg, params, lay, s, in_flight))
+    ro = rollout_memory(params, cfg, hw)
+    wl = workload or Workload.of(cfg)
+    nodes = node_roles(cfg, params, lay, stage, ro, wl, hw)
+    time = step_time(params, cfg, lay, ro, wl, gpu(hw.gpu), hw, rollout=rollout) if workload else None
+    return Estimate(lay, stage, ro, hw.gpu_memory_gb, problems, nodes, time)
+
+
+def node_roles(cfg: RecipeConfig, params: ModelParams, lay: Layout, stage: StageMemory, ro: RolloutMemory,
+               wl: Workload, hw: Hardware) -> tuple[NodeMemory, ...]:
+    trainer = trainer_host_terms(cfg, params, lay, stage, wl.prompt_tokens, wl.response_tokens, hw)
+    capacity = hw.gpu_memory_gb
+    fits = stage.total_gb <= capacity
+    if cfg.rollout.placement == "colocated":
+        return (NodeMemory("colocated node", cfg.parallelism.nodes, tuple(trainer + vllm_host_terms(cfg, ro)),
+                           hw.host_memory_gb, stage.total_gb, capacity, fits and ro.fits),)
+    rollout = NodeMemory("rollout node", cfg.rollout.nodes, tuple(vllm_host_terms(cfg, ro)), hw.host_memory_gb,
+                         ro.reserved_gb, capacity, ro.fits)
+    return (NodeMemory("trainer node", cfg.parallelism.nodes, tuple(trainer), hw.host_memory_gb, stage.total_gb,
+                       capacity, fits), rollout)
 
 
 def candidates(cfg: RecipeConfig, params: ModelParams) -> Iterator[ParallelismConfig]:
@@ -133,28 +164,37 @@ def candidates(cfg: RecipeConfig, params: ModelParams) -> Iterator[ParallelismCo
                 optimizer_cpu_offload=offload)
 
 
-def cost(p: ParallelismConfig, est: Estimate, gpus_per_node: int) -> tuple[float, ...]:
+def cost(p: ParallelismConfig, est: Estimate, gpus_per_node: int, rank: str = "memory") -> tuple[float, ...]:
+    """`rank` 'time': the predicted step first, then the margin; 'memory': the proxy below."""
+    if rank == "time" and est.time is not None:
+        return (round(est.time.seconds, 1), -est.margin_gb)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     expert_span = p.expert_model_parallel_size * (p.expert_tensor_parallel_size or tp)
     return (float(p.optimizer_cpu_offload), float(p.recompute_granularity == "full"), float(tp * pp),
             float(pp), float(expert_span > gpus_per_node), float(expert_span), -est.margin_gb)
 
 
-def search(cfg: RecipeConfig, hf: Mapping[str, Any], params: ModelParams, hw: Hardware,
-           limit: int = 5) -> tuple[Suggestion, ...]:
+def search(cfg: RecipeConfig, hf: Mapping[str, Any], params: ModelParams, hw: Hardware, limit: int = 5,
+           rank: str = "memory", workload: Workload | None = None) -> tuple[Suggestion, ...]:
     found: list[Suggestion] = []
+    rollout = None
+    if workload is not None:
+        rollout = rollout_seconds(params, cfg, rollout_memory(params, cfg, hw), workload, gpu(hw.gpu), hw)[0]
     for par in candidates(cfg, params):
         trial = dataclasses.replace(cfg, parallelism=par)
         if layout_problems(trial, hf):
             continue
-        est = estimate(trial, params, hw)
+        est = estimate(trial, params, hw, workload=workload, rollout=rollout)
         if est.comfortable:
-            found.append(Suggestion(par, est, cost(par, est, hw.gpus_per_node)))
+            found.append(Suggestion(par, est, cost(par, est, hw.gpus_per_node, rank)))
     return tuple(sorted(found, key=lambda s: s.cost)[:limit])
 
 
-def plan(cfg: RecipeConfig, hf: Mapping[str, Any], hw: Hardware, limit: int = 5) -> Plan:
-    """Estimate the recipe's own layout and the best `limit` layouts that fit."""
+def plan(cfg: RecipeConfig, hf: Mapping[str, Any], hw: Hardware, limit: int = 5, rank: str = "memory",
+         workload: Workload | None = None) -> Plan:
+    """Estimate the recipe's own layout (memory of every node role, the step's seconds) and the
+    best `limit` layouts that fit, by the memory proxy or (`rank` 'time') fastest first."""
     params = count_params(hf)
-    own = estimate(cfg, params, hw, layout_problems(cfg, hf))
-    return Plan(cfg.name, hw, params, own, search(cfg, hf, params, hw, limit))
+    wl = workload or Workload.of(cfg)
+    own = estimate(cfg, params, hw, layout_problems(cfg, hf), wl)
+    return Plan(cfg.name, hw, params, own, search(cfg, hf, params, hw, limit, rank, wl if rank == "time" else None))

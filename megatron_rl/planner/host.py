@@ -1,0 +1,217 @@
+"""Host memory of every node role, and the GPU terms outside the trainer's model state.
+
+Pure Python. A node role is what one node of the job runs: a trainer node (the trainer's ranks;
+with `rollout.placement: colocated`, also its node's vLLM server: a *colocated node*) or a rollout
+node (one vLLM server). Host terms are GB per node; `resident` ones are summed into the verdict
+against `--host-memory-gb`, `reclaimable` ones (clean page cache) are shown but not summed: the
+kernel drops them under pressure.
+
+Trainer node, per rank × ranks per node (every rank holds the step's rollout on the host:
+`train/rollout_phase.py` broadcasts the groups to all ranks, `train/batch.py` pads them):
+
+* rollout batch tensors — `TrainBatch` at the padded `seq_len` width: tokens int64 (8 B), mask,
+  rollout / π_old / π_ref log-probs fp32 (4 B each per target position), advantages, routes
+  (`rollout.routing_replay`: layers × top-k ids per token, uint8 up to 256 experts else int16, plus
+  a 1-byte valid flag) — measured against a real `build_batch` in tests/test_planner_host.py;
+* rollout samples — the groups as Python objects: token lists (an 8-byte pointer + a 28-byte int
+  object per token; ids < 257 are shared; a prompt's list once per group), the response log-probs
+  (8 + 24 B per float) and, with routes, each sample's numpy routes array (itemsize × layers ×
+  top-k per token); measured with tracemalloc in the same test;
+* CPU Adam (`optimizer_cpu_offload`) — the offloaded states and master weights
+  (`memory.stage_memory`'s host share) plus an fp32 staging copy of the shard's gradients (4 B per
+  parameter; megatron-core HybridDeviceOptimizer);
+* process baseline — PROCESS_GB per rank: Python, torch, transformers and megatron-core take
+  0.4 GB of RSS after import (measured on CPU); CUDA's libraries and context, Transformer Engine
+  and NCCL's pinned host buffers add a few GB per GPU process (an estimate, not derived);
+* weight-sync segments (rank 0's node, `weight_transfer: shm`) — one copy of the synced weights in
+  the rollout dtype: in /dev/shm (tmpfs = RAM) for a lone server on that node, else files in the
+  shared run directory whose written pages stay in the page cache (reclaimable once flushed);
+* checkpoint page cache (start-up, reclaimable) — safetensors memory-maps the HF shards; the pages
+  the node's ranks read stay cached: the node's share of the checkpoint (dense weights read by
+  every rank that holds them; experts by their EP rank). `megatron-rl convert` (a separate CPU
+  job on one node) reads the whole checkpoint the same way: all of its bytes in the page cache,
+  one layer per worker resident (`weights/convert_worker.py` closes the reader per layer).
+
+vLLM server (colocated or rollout node): VLLM_PROCESS_GB for the API server and engine core plus
+per GPU worker; with `sleep_level: 1`, the server's weights offloaded to host RAM while it sleeps
+(vLLM's CuMemAllocator backs them up in pinned CPU memory).
+
+GPU terms outside the model state (added to the trainer's worst stage, `gpu_extra_terms`):
+
+* weight-sync gather (global rank 0) — the largest part rank 0 holds at once: the larger of
+  `sharding.GATHER_CHUNK_BYTES` and the largest unsharded tensor, twice (received, and its HF copy
+  or dtype cast), plus the `nccl` transport's packed broadcast buffers (2 × 1 GiB, vLLM's default);
+* routing-replay routes (`rollout.routing_replay`) — each in-flight micro-batch's ids on the device
+  as int64 (the index dtype of the router's gather);
+* gathered log-probs (last stage) — every row's log-probs, fp32, gathered over DP
+  (`Actor._gather_dp`).
+
+Not GPU terms, and why: vLLM's sleep levels free its weights (1, 2) and KV cache while the trainer
+runs, but the trainer never returns its cached blocks (no `torch.cuda.empty_cache`), so both still
+share every card when vLLM wakes and the colocated sum stands (sleep costs time and, at level 1,
+host RAM: both counted); vLLM's CUDA graphs are inside `memory.VLLM_RUNTIME_GB`; the trainer
+captures none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config.schema import RecipeConfig
+from .memory import DTYPE_BYTES, GB, Hardware, Layout, RolloutMemory, StageMemory, Term
+from .params import ModelParams, Shard
+
+PROCESS_GB = 4.0
+VLLM_PROCESS_GB = 3.0
+GATHER_CHUNK_BYTES = 32 << 20
+"""= megatron_rl.weights.sharding.GATHER_CHUNK_BYTES (checked in tests; not imported: torch)."""
+NCCL_PACKED_BYTES = 2 * (1 << 30)
+"""= rollout.nccl_sender.PACKED_BUFFERS × PACKED_BUFFER_BYTES."""
+INT_OBJECT_BYTES = 28 + 8
+FLOAT_OBJECT_BYTES = 24 + 8
+
+
+@dataclass(frozen=True)
+class HostTerm:
+    key: str
+    label: str
+    gb: float
+    note: str = ""
+    reclaimable: bool = False
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    role: str
+    """'trainer node', 'colocated node' (trainer + vLLM) or 'rollout node'."""
+    nodes: int
+    host_terms: tuple[HostTerm, ...]
+    host_capacity_gb: float
+    gpu_total_gb: float
+    gpu_capacity_gb: float
+    gpu_fits: bool
+
+    @property
+    def host_total_gb(self) -> float:
+        return sum(t.gb for t in self.host_terms if not t.reclaimable)
+
+    @property
+    def host_margin_gb(self) -> float:
+        return self.host_capacity_gb - self.host_total_gb
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_margin_gb >= 0
+
+    @property
+    def fits(self) -> bool:
+        return self.host_fits and self.gpu_fits
+
+
+def route_bytes_per_token(params: ModelParams) -> int:
+    d = params.dims
+    return len(params.layers) * d.top_k * (1 if d.experts <= 256 else 2) if d.experts else 0
+
+
+def batch_tensor_bytes(rows: int, seq_len: int, params: ModelParams, routes: bool, ref: bool) -> float:
+    """`TrainBatch` of `rows` padded rows, after the log-prob phase (per rank)."""
+    per_position = 4 * (3 + int(ref))                      # mask, rollout, π_old (, π_ref) log-probs
+    out = rows * (8 * seq_len + per_position * (seq_len - 1) + 4)
+    if routes:
+        out += rows * seq_len * (route_bytes_per_token(params) + 1)
+    return float(out)
+
+
+def sample_object_bytes(rows: int, group: int, prompt: float, response: float, params: ModelParams,
+                        routes: bool) -> float:
+    """The rollout groups' Python lists (and numpy routes) on one rank; the n samples of a prompt
+    share its token list (`rollout/client.py`; pickling keeps the sharing)."""
+    out = rows / group * prompt * INT_OBJECT_BYTES + rows * response * (INT_OBJECT_BYTES + FLOAT_OBJECT_BYTES)
+    if routes:
+        out += rows * (prompt + response - 1) * route_bytes_per_token(params)
+    return out
+
+
+def checkpoint_share_bytes(params: ModelParams, lay: Layout, gpus_per_node: int, nbytes: int) -> float:
+    """Bytes of the HF checkpoint one node's ranks read: each GPU reads its own shard of the dense
+    tensors (TP × PP distinct shards) and of the experts (EP × ETP × PP); a node holds at most
+    `gpus_per_node` distinct ones, the rest are data-parallel replicas reading the same pages."""
+    dense = sum(b.params for b in params.blocks() if b.shard is not Shard.EXPERT)
+    experts = sum(b.params for b in params.blocks() if b.shard is Shard.EXPERT)
+    return nbytes * (dense * min(1.0, gpus_per_node / (lay.tp * lay.pp))
+                     + experts * min(1.0, gpus_per_node / (lay.ep * lay.etp * lay.pp)))
+
+
+def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, lay: Layout, stage: StageMemory,
+                       prompt: float, response: float, hw: Hardware) -> list[HostTerm]:
+    r, ranks = cfg.rollout, hw.gpus_per_node
+    rows = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
+    routes = r.routing_replay and params.dims.experts > 0
+    ref = cfg.algorithm.kl_beta > 0
+    tensors = batch_tensor_bytes(rows, lay.seq_length, params, routes, ref)
+    objects = sample_object_bytes(rows, r.n, prompt, response, params, routes)
+    route_note = f", routes {rows * lay.seq_length * (route_bytes_per_token(params) + 1) / GB:.1f} GB" if routes else ""
+    staging = 4 * stage.host_gb / 12 if lay.optimizer_offload else 0.0
+    out = [HostTerm("process", "trainer processes", ranks * PROCESS_GB, f"{ranks} rank(s) × {PROCESS_GB:g} GB"),
+           HostTerm("batch", "rollout batch tensors", ranks * tensors / GB,
+                    f"{rows} rows × {lay.seq_length} per rank{route_note}"),
+           HostTerm("samples", "rollout samples (Python objects)", ranks * objects / GB,
+                    f"{prompt:.0f} + {response:.0f} tokens per sample per rank"),
+           HostTerm("cpu_adam", "CPU Adam states + grad staging", ranks * (stage.host_gb + staging),
+                    "optimizer_cpu_offload" if lay.optimizer_offload else "optimizer on the GPU")]
+    sync = sync_bytes(params, cfg) / GB if r.weight_transfer == "shm" else 0.0
+    lone = r.placement == "colocated" and cfg.parallelism.nodes == 1
+    where = "/dev/shm (tmpfs)" if lone else "page cache of the shared run dir" if sync else r.weight_transfer
+    out.append(HostTerm("sync_segments", "weight-sync segments (rank 0's node)", sync, where, reclaimable=not lone))
+    share = checkpoint_share_bytes(params, lay, ranks, DTYPE_BYTES[r.dtype])
+    out.append(HostTerm("checkpoint_cache", "checkpoint page cache (start-up)", share / GB,
+                        "safetensors mmap of the node's share", reclaimable=True))
+    return out
+
+
+def vllm_host_terms(cfg: RecipeConfig, ro: RolloutMemory) -> list[HostTerm]:
+    r = cfg.rollout
+    gpus = r.tensor_parallel_size * r.data_parallel_size
+    out = [HostTerm("vllm_process", "vLLM processes", VLLM_PROCESS_GB * (1 + gpus),
+                    f"API server + engine + {gpus} workers")]
+    slept = ro.weights_gb * gpus if r.sleep_level == 1 else 0.0
+    out.append(HostTerm("vllm_sleep", "vLLM weights while asleep", slept,
+                        "sleep_level 1: weights backed up in host RAM" if slept else f"sleep_level {r.sleep_level}"))
+    return out
+
+
+def sync_bytes(params: ModelParams, cfg: RecipeConfig) -> float:
+    """Bytes of one weight sync: every tensor, or with LoRA the merged tensors it touches."""
+    nbytes = DTYPE_BYTES[cfg.rollout.dtype]
+    if not cfg.lora.rank:
+        return params.total * nbytes
+    touched = params.component("attention") + (params.component("moe_experts") if "experts" in cfg.lora.targets else 0)
+    return touched * nbytes
+
+
+def largest_tensor(params: ModelParams) -> float:
+    """Parameters of the largest unsharded tensor (embedding/output, a fused qkv, an expert's fc1)."""
+    d = params.dims
+    q = d.heads * d.head_dim * (2 if params.spec.gated_attention else 1)
+    return float(max(d.vocab * d.hidden, d.hidden * (q + 2 * d.kv_heads * d.head_dim), 2 * d.hidden * d.intermediate,
+                     2 * d.hidden * d.moe_intermediate))
+
+
+def gpu_extra_terms(cfg: RecipeConfig, params: ModelParams, lay: Layout, stage: int, in_flight: float) -> list[Term]:
+    """The terms of `stage` (its worst GPU) outside the model state (module docstring)."""
+    r = cfg.rollout
+    out: list[Term] = []
+    if stage == 0:
+        part = max(GATHER_CHUNK_BYTES, largest_tensor(params) * lay.param_bytes) * 2
+        packed = NCCL_PACKED_BYTES if r.weight_transfer == "nccl" else 0
+        out.append(Term("sync_gather", "weight-sync gather (rank 0)", (part + packed) / GB,
+                        "largest part, twice" + (" + NCCL packed buffers" if packed else "")))
+    if r.routing_replay and params.dims.experts:
+        moe = sum(1 for layer in params.layers if layer.ffn == "moe")
+        ids = lay.microbatch_tokens / lay.cp * moe * params.dims.top_k * 8 * in_flight
+        out.append(Term("routes", "routing-replay routes (int64)", ids / GB, f"{in_flight:g} micro-batch(es)"))
+    if stage == lay.pp - 1:
+        rows = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
+        out.append(Term("gathered_logprobs", "gathered log-probs (fp32)", rows * (lay.seq_length - 1) * 4 / GB,
+                        f"{rows} rows over DP"))
+    return out

@@ -1,0 +1,182 @@
+"""Host memory and the GPU terms outside the model state (`planner/host.py`), measured on CPU where
+the code can be measured: the rollout batch a rank holds (a real `build_batch`), the samples'
+Python objects (tracemalloc), the `shm` transport's segments (a real `FileTransport` writing a
+model's weights); the rest by hand from the formula the module cites."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.cli import main
+from megatron_rl.config import load_recipe
+from megatron_rl.planner import count_params
+from megatron_rl.planner.host import (
+    GATHER_CHUNK_BYTES,
+    NCCL_PACKED_BYTES,
+    batch_tensor_bytes,
+    largest_tensor,
+    route_bytes_per_token,
+    sample_object_bytes,
+)
+from megatron_rl.planner.memory import GB, Hardware
+from megatron_rl.planner.plan import estimate
+from megatron_rl.planner.timing import Workload
+from megatron_rl.train.batch import Scores, build_batch
+from megatron_rl.types import RolloutGroup, Sample
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+HF = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=4096, hidden_size=64,
+          intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=16, num_experts=300, num_experts_per_tok=4, tie_word_embeddings=False)
+
+
+def _groups(prompts: int, n: int, prompt: int, response: int, layers: int, topk: int, experts: int,
+            seed: int = 0) -> list[RolloutGroup]:
+    rng = np.random.default_rng(seed)
+    dtype = np.uint8 if experts <= 256 else np.uint16
+    groups = []
+    for p in range(prompts):
+        prompt_ids = [int(x) for x in rng.integers(1000, 4000, prompt)]
+        samples = [Sample(prompt_ids=prompt_ids, response_ids=[int(x) for x in rng.integers(1000, 4000, response)],
+                          response_logprobs=[float(x) for x in -rng.random(response)],
+                          routed_experts=rng.integers(0, experts, (prompt + response - 1, layers, topk)).astype(dtype))
+                   for _ in range(n)]
+        groups.append(RolloutGroup(p, {}, samples))
+    return groups
+
+
+def _tensor_bytes(batch: Any) -> int:
+    return sum(v.nbytes for v in batch.__dict__.values() if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("experts", [200, 300], ids=["uint8-routes", "int16-routes"])
+def test_batch_tensors_match_build_batch(experts: int) -> None:
+    hf = dict(HF, num_experts=experts)
+    params = count_params(hf)
+    groups = _groups(3, 4, 20, 30, 3, 4, experts)
+    seq_len = 64
+    scores = Scores([""] * 12, [0.0] * 12, [{}] * 12, {})
+    batch = build_batch(groups, scores, seq_len, 0).batch
+    # The log-prob phase adds π_old and π_ref, [N, L − 1] fp32 like the rollout's.
+    lp = torch.zeros(12, seq_len - 1)
+    batch = dataclasses.replace(batch, old_logprobs=lp, ref_logprobs=lp.clone())
+    assert _tensor_bytes(batch) == batch_tensor_bytes(12, seq_len, params, routes=True, ref=True)
+    no_routes = dataclasses.replace(batch, routes=None, routes_valid=None, ref_logprobs=None)
+    assert _tensor_bytes(no_routes) == batch_tensor_bytes(12, seq_len, params, routes=False, ref=False)
+
+
+def test_sample_objects_match_tracemalloc() -> None:
+    params = count_params(HF)
+    _groups(1, 2, 10, 10, 3, 4, 300, seed=2)      # one-time allocations (numpy's generator, caches) first
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    groups = _groups(4, 8, 200, 100, 3, 4, 300, seed=1)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    predicted = sample_object_bytes(32, 8, 200, 100, params, routes=True)
+    # Lists over-allocate a little and each Sample has its own small overhead (measured: +7.5 %).
+    assert abs(used / predicted - 1) < 0.15, (used, predicted)
+    assert len(groups) == 4
+
+
+def test_audit_15_routes_of_qwen3_next() -> None:
+    # gpu-readiness-audit-2 #15: [2560, 4608, 48, 10] int16 on every rank = 11.3 GB (512 experts).
+    cfg = load_recipe(RECIPES / "qwen3_next_80b_a3b/grpo.yaml", ["rollout.routing_replay=true"])
+    params = count_params(json.loads((RECIPES / "models/qwen3_next_80b_a3b/config.json").read_text()))
+    assert route_bytes_per_token(params) == 48 * 10 * 2
+    routes = 2560 * 4608 * (48 * 10 * 2 + 1)
+    with_routes = estimate(cfg, params, Hardware(8, 80.0), workload=Workload.of(cfg))
+    without = estimate(load_recipe(RECIPES / "qwen3_next_80b_a3b/grpo.yaml"), params, Hardware(8, 80.0))
+    terms = {t.key: t.gb for t in with_routes.nodes[0].host_terms}
+    plain = {t.key: t.gb for t in without.nodes[0].host_terms}
+    assert terms["batch"] - plain["batch"] == pytest.approx(8 * routes / GB)
+    assert routes / GB == pytest.approx(11.3, abs=0.1)
+    # On the GPU: the in-flight micro-batch's ids as int64, 48 MoE layers × top-10 per token.
+    gpu_terms = {t.key: t.gb for t in with_routes.stage.terms}
+    assert gpu_terms["routes"] == pytest.approx(4608 * 48 * 10 * 8 / GB)
+
+
+class _NoServer:
+    def post(self, *a: Any, **k: Any) -> Any:
+        raise AssertionError("not reached: the test measures the segments before delivery")
+
+    def rpc(self, *a: Any, **k: Any) -> list[Any]:
+        raise AssertionError("not reached")
+
+
+def test_shm_segments_hold_one_copy_of_the_weights(tmp_path: Path) -> None:
+    from megatron_rl.weights.transport_file import FileTransport
+
+    params = count_params(HF)
+    transport = FileTransport(_NoServer(), root=tmp_path, segment_bytes=1 << 20)
+    transport.begin(1)
+    for block in params.blocks():
+        if block.params:
+            transport.send_bucket({f"t{id(block)}": torch.ones(block.params, dtype=torch.bfloat16)})
+    files = list(Path(transport.dir).glob("segment-*.bin"))      # type: ignore[arg-type]
+    allocated = sum(os.stat(f).st_blocks * 512 for f in files)
+    transport.abort()
+    # One bf16 copy (the planner's term), up to the 64-byte alignment and 4 KiB pages per tensor.
+    expected = params.total * 2
+    assert expected <= allocated <= expected + (4096 + 64) * len(list(params.blocks()))
+
+
+def test_sync_gather_constants_match_the_code() -> None:
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()
+    from megatron_rl.rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS
+    from megatron_rl.weights.sharding import GATHER_CHUNK_BYTES as CODE_CHUNK
+
+    assert GATHER_CHUNK_BYTES == CODE_CHUNK and NCCL_PACKED_BYTES == PACKED_BUFFERS * PACKED_BUFFER_BYTES
+
+
+def test_gather_term_by_hand() -> None:
+    cfg = load_recipe(RECIPES / "qwen3_235b_a22b/grpo.yaml")
+    params = count_params(json.loads((RECIPES / "models/qwen3_235b_a22b/config.json").read_text()))
+    # The largest unsharded tensor is the 151,936 × 4,096 embedding / output: bf16, held twice.
+    assert largest_tensor(params) == 151936 * 4096
+    terms = {t.key: t.gb for t in estimate(cfg, params, Hardware(8, 80.0)).stage.terms}
+    assert terms["sync_gather"] == pytest.approx(2 * 151936 * 4096 * 2 / GB)
+    nccl = load_recipe(RECIPES / "qwen3_235b_a22b/grpo.yaml", ["rollout.weight_transfer=nccl"])
+    terms = {t.key: t.gb for t in estimate(nccl, params, Hardware(8, 80.0)).stage.terms}
+    assert terms["sync_gather"] == pytest.approx((2 * 151936 * 4096 * 2 + 2 * 2**30) / GB)
+
+
+def test_host_terms_by_hand_and_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    path = RECIPES / "qwen3_235b_a22b/grpo.yaml"
+    cfg = load_recipe(path)
+    params = count_params(json.loads((RECIPES / "models/qwen3_235b_a22b/config.json").read_text()))
+    est = estimate(cfg, params, Hardware(8, 80.0), workload=Workload.of(cfg))
+    trainer, rollout = est.nodes
+    assert (trainer.role, trainer.nodes, rollout.role, rollout.nodes) == ("trainer node", 8, "rollout node", 4)
+    terms = {t.key: t for t in trainer.host_terms}
+    # CPU Adam: 8 ranks × (the offloaded states + a 4-byte fp32 gradient per parameter of the shard:
+    # 4/12 of the 12-byte states).
+    assert terms["cpu_adam"].gb == pytest.approx(8 * est.stage.host_gb * (1 + 4 / 12))
+    # Padded rows of 4608: int64 tokens, fp32 mask + rollout/π_old/π_ref log-probs, advantages.
+    assert terms["batch"].gb == pytest.approx(8 * 2560 * (8 * 4608 + 16 * 4607 + 4) / GB)
+    # Weight-sync segments of servers on other nodes live in the shared run dir's page cache.
+    assert terms["sync_segments"].reclaimable and terms["sync_segments"].gb == pytest.approx(params.total * 2 / GB)
+    assert trainer.host_total_gb == pytest.approx(sum(t.gb for t in trainer.host_terms if not t.reclaimable))
+    assert trainer.host_fits and rollout.host_fits
+    # A 256 GB node cannot hold 8 ranks' CPU Adam: the verdict says so and the exit status is 2.
+    assert main(["plan", str(path), "--host-memory-gb", "256"]) == 2
+    out = capsys.readouterr().out
+    assert "trainer node (× 8)" in out and "a node's host memory does not" in out
+    # Sleep level 1 keeps each server's weights in its node's RAM while it sleeps.
+    slept = load_recipe(path, ["rollout.sleep_level=1"])
+    node = estimate(slept, params, Hardware(8, 80.0)).nodes[1]
+    assert {t.key: t.gb for t in node.host_terms}["vllm_sleep"] == pytest.approx(8 * est.rollout.weights_gb)
