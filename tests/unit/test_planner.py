@@ -17,17 +17,13 @@ import pytest
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
 from megatron_rl.config.schema import (
-    AlgorithmConfig,
-    ModelConfig,
-    ParallelismConfig,
     RecipeConfig,
-    RolloutConfig,
-    TrainerConfig,
 )
 from megatron_rl.lint import lint
 from megatron_rl.planner import PlannerError, count_params
 from megatron_rl.planner.memory import GB, Hardware, Layout, stage_layer_ranges, stage_memory
 from megatron_rl.planner.plan import SAFE_MARGIN_PCT, estimate, layout_problems, plan
+from tests.helpers.recipes import hand_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
@@ -184,13 +180,6 @@ def test_qwen3_dense_matches_its_model_cards() -> None:
     assert _within(count_params(q4b).non_embedding, 3.6e9, 0.01)
 
 
-# ------------------------------------------------------------------ memory by hand
-def _recipe(hf: dict[str, Any], **sections: Any) -> RecipeConfig:
-    return RecipeConfig(name="hand", model=ModelConfig(tiny=hf, **sections.pop("model", {})),
-                        parallelism=ParallelismConfig(**sections.pop("parallelism", {})),
-                        rollout=RolloutConfig(**sections.pop("rollout", {})),
-                        trainer=TrainerConfig(**sections.pop("trainer", {})),
-                        algorithm=AlgorithmConfig(**sections.pop("algorithm", {})))
 
 
 def _terms(cfg: RecipeConfig, stage: int, vllm_gb: float = 0.0) -> dict[str, Any]:
@@ -203,7 +192,7 @@ HAND_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_si
                 intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                 num_experts_per_tok=2, tie_word_embeddings=False)
-HAND = _recipe(HAND_MOE, model={"params_dtype": "bf16", "reference": "init"},
+HAND = hand_recipe(HAND_MOE, model={"params_dtype": "bf16", "reference": "init"},
                parallelism=dict(nodes=1, gpus_per_node=8, tensor_model_parallel_size=2,
                                 pipeline_model_parallel_size=2, expert_model_parallel_size=2,
                                 expert_tensor_parallel_size=1, sequence_parallel=True,
@@ -248,7 +237,7 @@ def test_memory_terms_by_hand_first_stage() -> None:
 
 def test_memory_terms_by_hand_last_stage_and_offload() -> None:
     h, V, tp = 64, 512, 2
-    cfg = _recipe(HAND_MOE, model={"reference": "none"},
+    cfg = hand_recipe(HAND_MOE, model={"reference": "none"},
                   parallelism=dict(HAND.parallelism.__dict__, optimizer_cpu_offload=True),
                   rollout=dict(max_prompt_length=64, max_response_length=64,
                                placement="disaggregated", nodes=1),
@@ -265,7 +254,7 @@ def test_memory_terms_by_hand_last_stage_and_offload() -> None:
 def test_recompute_modes_order_activations() -> None:
     acts = {}
     for mode in ("none", "selective", "full"):
-        cfg = _recipe(HAND_MOE, parallelism=dict(HAND.parallelism.__dict__, recompute_granularity=mode),
+        cfg = hand_recipe(HAND_MOE, parallelism=dict(HAND.parallelism.__dict__, recompute_granularity=mode),
                       rollout=HAND.rollout.__dict__, trainer=HAND.trainer.__dict__)
         acts[mode] = _terms(cfg, 0)["activations"].gb
     # With flash attention there is no s² score tensor for 'selective' to drop.
@@ -276,7 +265,7 @@ def test_rollout_kv_budget_by_hand() -> None:
     # Qwen3-Next, vLLM TP2 DP4 with EP over 8 GPUs, 0.5 × 80 GB: 12 full-attention layers cache
     # K and V (2 KV heads → 1 per GPU, head_dim 256); 36 Gated DeltaNet layers keep a conv state
     # ((2·16·128 + 32·128)/2 channels × 3) and a recurrent state (32/2 heads × 128 × 128), bf16.
-    cfg = _recipe(QNEXT, rollout=dict(tensor_parallel_size=2, data_parallel_size=4,
+    cfg = hand_recipe(QNEXT, rollout=dict(tensor_parallel_size=2, data_parallel_size=4,
                                       enable_expert_parallel=True, gpu_memory_utilization=0.5,
                                       max_prompt_length=1024, max_response_length=3072))
     r = estimate(cfg, count_params(QNEXT), Hardware(8, 80.0)).rollout
@@ -296,7 +285,7 @@ def test_published_64_gpu_qwen3_235b_layout_fits() -> None:
     # 32768-token micro-batch over CP 2), global batch 64, no KL (no reference model); the SGLang
     # rollout runs on 64 further GPUs, one TP 8 engine per node (--rollout-num-gpus-per-engine 8;
     # modelled here as 8 disaggregated vLLM servers of TP 8, one per node, as the job starts them).
-    cfg = _recipe(Q235, model={"reference": "none"},
+    cfg = hand_recipe(Q235, model={"reference": "none"},
                   parallelism=dict(nodes=8, tensor_model_parallel_size=4, sequence_parallel=True,
                                    pipeline_model_parallel_size=4, context_parallel_size=2,
                                    expert_model_parallel_size=16, expert_tensor_parallel_size=1,
@@ -315,7 +304,7 @@ def test_published_64_gpu_qwen3_235b_layout_fits() -> None:
 
 
 def test_qwen3_235b_without_model_parallelism_does_not_fit_on_8_gpus() -> None:
-    cfg = _recipe(Q235, parallelism=dict(nodes=1), trainer=dict(global_batch_size=64))
+    cfg = hand_recipe(Q235, parallelism=dict(nodes=1), trainer=dict(global_batch_size=64))
     result = plan(cfg, Q235, Hardware(8, 80.0))
     assert not result.estimate.fits and result.estimate.margin_gb < 0
     # bf16 weights alone are 470 GB; fp32 grads 940 GB: no layout of one node can hold it.
@@ -406,7 +395,7 @@ def test_cli_plan_tiny_recipe_fits(capsys: pytest.CaptureFixture[str]) -> None:
 def test_token_budget_sizes_activations_and_logits_by_the_budget() -> None:
     # Budget 160 tokens vs the padded 2 rows × 128: activations and logits scale by 160/256, and
     # a budget below one max-length sample still leaves room for that sample (128 tokens).
-    budget = _recipe(HAND_MOE, model={"params_dtype": "bf16", "reference": "init"},
+    budget = hand_recipe(HAND_MOE, model={"params_dtype": "bf16", "reference": "init"},
                      parallelism=HAND.parallelism.__dict__,
                      rollout=dict(max_prompt_length=64, max_response_length=64, gpu_memory_utilization=0.25),
                      trainer=dict(global_batch_size=32, max_tokens_per_microbatch=160))

@@ -45,7 +45,7 @@ from megatron_rl.config.schema import (
     TrainerConfig,
 )
 
-MODELS = Path(__file__).resolve().parents[1] / "recipes" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "recipes" / "models"
 PROMPT_TOKENS = 150
 
 

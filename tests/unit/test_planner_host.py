@@ -34,7 +34,7 @@ from megatron_rl.planner.timing import Workload
 from megatron_rl.train.batch import Scores, build_batch
 from megatron_rl.types import RolloutGroup, Sample
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 HF = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=4096, hidden_size=64,
           intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,

@@ -1,7 +1,7 @@
 """The planner's time model (`planner/timing.py`, constants `planner/gpus.py`): the published runs it
 must reproduce, its phases by hand, the rollout simulation, `plan --rank time` and `--gpu`.
 
-Validation: NeMo-RL v0.6's on-policy GRPO runs on DGX-H100 (tests/published_runs.py has the
+Validation: NeMo-RL v0.6's on-policy GRPO runs on DGX-H100 (tests/helpers/published_runs.py has the
 layouts and the source), predicted with ONE set of constants, the H100 row of `GPUS`, within ±25 %
 for the step time and tokens/s/GPU.
 
@@ -44,9 +44,9 @@ from megatron_rl.planner.timing import (
     sync_seconds,
     train_seconds,
 )
-from tests.published_runs import PUBLISHED, PublishedRun
+from tests.helpers.published_runs import PUBLISHED, PublishedRun
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 PRODUCTION = sorted(p for p in RECIPES.glob("qwen3_*/[gc]*.yaml") if p.stem in ("grpo", "gspo", "chord"))
 TOLERANCE = 0.25
@@ -93,7 +93,7 @@ HF = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=1000, hidden_size=64
 
 
 def _cfg(**over: object):  # noqa: ANN202
-    from tests.test_planner import _recipe
+    from tests.helpers.recipes import hand_recipe
 
     sections = dict(model={"params_dtype": "bf16", "reference": "init"},
                     parallelism=dict(nodes=2, gpus_per_node=8, tensor_model_parallel_size=2,
@@ -104,7 +104,7 @@ def _cfg(**over: object):  # noqa: ANN202
                     trainer=dict(global_batch_size=32, micro_batch_size=1),
                     algorithm=dict(kl_beta=0.1, steps_per_generation=2))
     sections.update(over)
-    return _recipe(HF, **sections)
+    return hand_recipe(HF, **sections)
 
 
 def test_train_and_logprob_seconds_by_hand() -> None:
