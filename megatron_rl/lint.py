@@ -248,11 +248,21 @@ def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
 @rule("weight-transfer")
 def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
-    r = cfg.rollout
+    """What NCCL and CUDA IPC refuse at the first sync, refused here (`weights/transport_gpu.py`)."""
+    r, nodes = cfg.rollout, cfg.parallelism.nodes
     if r.weight_transfer == "ipc" and r.placement != "colocated":
         return [Finding("error", "weight-transfer", "rollout.weight_transfer",
                         "'ipc' shares GPU memory on the trainer's node: it needs placement 'colocated' "
                         "(use 'nccl' or 'shm' for rollout nodes)")]
+    if r.weight_transfer == "ipc" and nodes > 1:
+        return [Finding("error", "weight-transfer", "rollout.weight_transfer",
+                        f"'ipc' reaches only the GPUs of trainer rank 0's node, but the colocated servers run on "
+                        f"all {nodes} trainer nodes (parallelism.nodes); use 'shm' (or parallelism.nodes: 1)")]
+    if r.weight_transfer == "nccl" and r.placement == "colocated":
+        return [Finding("error", "weight-transfer", "rollout.weight_transfer",
+                        "'nccl' puts trainer rank 0 and the colocated server's first worker, both on GPU 0 of "
+                        "node 0, into one NCCL group, which NCCL refuses (duplicate GPU); use 'shm' or 'ipc' "
+                        "for colocated servers, 'nccl' with placement 'disaggregated'")]
     return []
 
 
@@ -282,6 +292,18 @@ def _sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
         return [Finding("warning", "sleep-needs-colocation", "rollout.sleep_level",
                         f"{r.sleep_level}: the servers have nodes of their own, so sleeping frees no memory "
                         "the trainer could use and costs a wake-up every step (set it to null)")]
+    return []
+
+
+@rule("lora-sleep")
+def _lora_sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    # Level 2 drops the server's weights; a LoRA sync after the wake sends only the adapted tensors
+    # (`train/lora_run.sync`), so every other tensor of the server would be whatever memory it got back.
+    if cfg.lora.rank > 0 and cfg.rollout.sleep_level == 2:
+        return [Finding("error", "lora-sleep", "rollout.sleep_level",
+                        "2 drops the servers' weights, and a LoRA/QLoRA sync refills only the adapted tensors: "
+                        "the base would be garbage after the wake; use sleep_level 1 (weights offloaded to "
+                        "host memory, brought back at the wake) or null")]
     return []
 
 
@@ -348,6 +370,15 @@ def _lora_quantization(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if lora.base_quantization == "fp8":
         return [Finding("error", "lora-base-quantization", "lora.base_quantization",
                         "'fp8' has no code path yet; allowed: nf4, none")]
+    if gpus_per_node(cfg):
+        # A GPU job builds the Transformer-Engine spec whenever TE is installed (the image), and
+        # `megatron/quantize.py` cannot quantize TE linears or grouped-GEMM experts; without TE,
+        # megatron's local spec refuses sequence parallelism on GPU. No QLoRA spec exists yet.
+        return [Finding("error", "lora-base-quantization", "lora.base_quantization",
+                        f"{lora.base_quantization!r} on a GPU job: the GPU build holds Transformer-Engine linears "
+                        "and grouped-GEMM experts, which the NF4 base cannot replace, and there is no QLoRA "
+                        "model spec for GPUs yet; it runs on CPU jobs only (slurm.gpus_per_node: 0). Use "
+                        "base_quantization: none (LoRA over the bf16 base)")]
     return []
 
 
