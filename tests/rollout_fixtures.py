@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -19,9 +22,26 @@ TINY_DENSE = {k: v for k, v in TINY_MOE.items()
 TINY_DENSE.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
 
 
+CACHE_ENV = "MEGATRON_RL_TEST_CACHE"
+"""A writable directory for the demo assets (containers/selftest.py sets it inside the image)."""
+
+
+def cache_dir(repo: Path = REPO, env: Mapping[str, str] = os.environ) -> Path:
+    """$MEGATRON_RL_TEST_CACHE, else the repo's .cache when it can be written, else one under
+    $TMPDIR: inside the image the repo is the read-only /opt/megatron-rl."""
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV])
+    try:
+        (repo / ".cache").mkdir(exist_ok=True)
+        with tempfile.TemporaryFile(dir=repo / ".cache"):
+            return repo / ".cache"
+    except OSError:
+        return Path(env.get("TMPDIR") or tempfile.gettempdir()) / "megatron-rl-cache"
+
+
 def demo_assets() -> dict[str, Path]:
-    """The demo's cached assets (task data, tokenizer, warmed-up tiny MoE) in the repo's .cache."""
-    return prepare_demo_assets(REPO / ".cache" / "demo", TINY_MOE)
+    """The demo's cached assets (task data, tokenizer, warmed-up tiny MoE) under `cache_dir()`."""
+    return prepare_demo_assets(cache_dir() / "demo", TINY_MOE)
 
 
 def tiny_model_with_tokenizer(fields: dict, out: Path, seed: int = 0) -> Path:

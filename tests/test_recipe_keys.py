@@ -96,8 +96,8 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_hf_checkpoint(fields, tmp_path_factory.mktemp("tiny_moe"), seed=0)
 
 
-def _memory_options(tiny_moe: Path, out: Path, nproc: int) -> dict:
-    torchrun("memory_options_worker.py", str(tiny_moe), str(out), nproc=nproc)
+def _memory_options(tiny_moe: Path, out: Path, nproc: int, cuda: bool = False) -> dict:
+    torchrun("memory_options_worker.py", str(tiny_moe), str(out), nproc=nproc, cuda=cuda)
     return json.loads(out.read_text())
 
 
@@ -138,7 +138,7 @@ def test_memory_options_change_what_megatron_core_builds(tiny_moe: Path, tmp_pat
 def test_cpu_offload_trains_like_the_gpu_optimizer(tiny_moe: Path, tmp_path: Path) -> None:
     """HybridDeviceOptimizer steps only with parameters on a GPU: Adam on the host gives the same
     bf16 weights as Adam on the device, to bf16 rounding."""
-    r = _memory_options(tiny_moe, tmp_path / "memory.json", nproc=1)
+    r = _memory_options(tiny_moe, tmp_path / "memory.json", nproc=1, cuda=True)   # CPU workers hide CUDA
     assert r["cpu_offload_bf16"]["built"]["inner_optimizers"] == ["HybridDeviceOptimizer"]
     assert r["cpu_offload_bf16"]["losses"] == pytest.approx(r["default_bf16"]["losses"], rel=1e-2)
     assert r["cpu_offload_bf16"]["max_weight_diff"] <= 1e-2
