@@ -148,6 +148,26 @@ def test_te_logprob_glue_divides_by_temperature_in_fp32(monkeypatch: pytest.Monk
     assert (old - ref).abs().max() > 1e-3
 
 
+def test_te_logprobs_fall_back_on_any_kernel_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit-2 #24: a Triton compile error (any exception, not only TE's asserts) falls back to the
+    torch path once, with a warning, instead of crashing `compute_logprobs`."""
+    from megatron_rl import logprobs
+
+    def parallel_cross_entropy(*args: Any) -> torch.Tensor:
+        raise RuntimeError("triton.compiler.errors.CompilationError: at 12:4")
+
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    ce = types.ModuleType("transformer_engine.pytorch.cross_entropy")
+    ce.parallel_cross_entropy = parallel_cross_entropy  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cross_entropy", ce)
+    monkeypatch.setattr(logprobs, "_te_disabled", False)
+    logits, target = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    with pytest.warns(UserWarning, match="RuntimeError: triton"):
+        assert logprobs._te_target_logprobs(logits, target, 1.0, None) is None
+    assert logprobs._te_disabled
+
+
 def test_train_batch_to_moves_every_tensor() -> None:
     from megatron_rl.types import TrainBatch
 

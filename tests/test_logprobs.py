@@ -191,3 +191,14 @@ def test_cuda_te_and_torch_paths_agree() -> None:
     g_te = objective_grads(x, te_out.logprobs, te_out.entropy, w1.cuda(), w2.cuda())
     torch.testing.assert_close(g_te, g_torch, atol=1e-5, rtol=0)
     torch.testing.assert_close(x, logits.cuda())  # TE must not have overwritten the logits
+    # TE's fused kernel itself: only without entropy (what π_old, π_ref and the verification call).
+    from megatron_rl import logprobs as logprobs_module
+
+    te_only = vocab_parallel_logprobs(x, t, temperature=0.7, with_entropy=False, use_te=True)
+    assert not logprobs_module._te_disabled and te_only.entropy is None
+    torch.testing.assert_close(te_only.logprobs, torch_out.logprobs, atol=1e-5, rtol=0)
+    g_only = objective_grads(x, te_only.logprobs, None, w1.cuda(), w2.cuda())
+    torch_only = vocab_parallel_logprobs(x, t, temperature=0.7, with_entropy=False, use_te=False)
+    torch.testing.assert_close(g_only, objective_grads(x, torch_only.logprobs, None, w1.cuda(), w2.cuda()),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(x, logits.cuda())
