@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from .config.schema import RecipeConfig
 from .model_config import ModelConfigError, num_experts, resolve_hf_config
+from .topology import duplicate_gpus, nccl_weight_group
 
 Level = Literal["error", "warning"]
 HF = dict[str, Any] | None
@@ -258,11 +259,14 @@ def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
         return [Finding("error", "weight-transfer", "rollout.weight_transfer",
                         f"'ipc' reaches only the GPUs of trainer rank 0's node, but the colocated servers run on "
                         f"all {nodes} trainer nodes (parallelism.nodes); use 'shm' (or parallelism.nodes: 1)")]
-    if r.weight_transfer == "nccl" and r.placement == "colocated":
+    shared = duplicate_gpus(nccl_weight_group(cfg)) if r.weight_transfer == "nccl" else []
+    if shared:
+        first = shared[0]
         return [Finding("error", "weight-transfer", "rollout.weight_transfer",
-                        "'nccl' puts trainer rank 0 and the colocated server's first worker, both on GPU 0 of "
-                        "node 0, into one NCCL group, which NCCL refuses (duplicate GPU); use 'shm' or 'ipc' "
-                        "for colocated servers, 'nccl' with placement 'disaggregated'")]
+                        f"'nccl' puts {' and '.join(m.role for m in first)}, all on GPU {first[0].gpu} of node "
+                        f"{first[0].node}, into one NCCL group, which NCCL refuses (duplicate GPU; {len(shared)} "
+                        "GPU(s) shared); use 'shm' or 'ipc' for colocated servers, 'nccl' with placement "
+                        "'disaggregated'")]
     return []
 
 

@@ -168,6 +168,30 @@ def test_te_logprobs_fall_back_on_any_kernel_error(monkeypatch: pytest.MonkeyPat
     assert logprobs._te_disabled
 
 
+def test_packed_nccl_broadcast_waits_for_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit-2 #11: vLLM's packed producer packs on side streams without waiting for the current
+    one, where the gathered tensors were written; the sender synchronises it first. Streams and the
+    producer are stood in for (CUDA): what is under test is the order."""
+    import contextlib
+
+    import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
+
+    from megatron_rl.rollout import nccl_sender
+
+    events: list[Any] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            events.append("current stream synchronized")
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_producer",
+                        lambda it, *args: events.append(("producer", [name for name, _ in it])))
+    nccl_sender.broadcast(object(), {"a": torch.zeros(2), "b": torch.ones(3)}, torch.device("cuda", 0), packed=True)
+    assert events == ["current stream synchronized", ("producer", ["a", "b"])]
+
+
 def test_train_batch_to_moves_every_tensor() -> None:
     from megatron_rl.types import TrainBatch
 

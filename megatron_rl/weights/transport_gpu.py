@@ -12,7 +12,12 @@ Every tensor is sent from `self.device`, the device given at construction (rank 
 - `ipc`: colocated servers on rank 0's node. vLLM's workers rebuild each tensor from a CUDA IPC
   handle on their own GPU (keyed by its UUID), so rank 0 copies each tensor once to every GPU a
   worker uses (peer copies) and ships the handles, pickled: the server must run with
-  VLLM_ALLOW_INSECURE_SERIALIZATION=1 (`RolloutServer.environment`).
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 (`RolloutServer.environment`). Under DP > 1 /collective_rpc
+  answers for engine 0's workers only, so the other engines' GPUs come from the DP layout
+  (`topology.ipc_devices`). One node only (lint: `weight-transfer`).
+
+With DP > 1 the per-worker count of what was loaded (`mrl_loaded`, /collective_rpc) is engine 0's
+only (audit-2 #13); vLLM's /update_weights and /finish_weight_update do reach every engine.
 
 Neither keeps a copy of the weights, so a restarted server cannot be brought back to them here:
 `resend_latest` raises (the run stops; resuming from the checkpoint syncs again).
@@ -34,6 +39,7 @@ import torch
 
 from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, open_group
 from ..rollout.server import free_port
+from ..topology import ipc_devices
 from .transport_engine import EngineLink, EngineServer
 from .transport_file import one_result
 
@@ -49,6 +55,22 @@ def world_size(server: EngineServer) -> int:
                      headers={"Authorization": f"Bearer {server.token}"})
     resp.raise_for_status()
     return int(resp.json()["world_size"])
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def master_address(server_hosts: Sequence[str]) -> str:
+    """The address the servers' workers dial for rank 0's rendezvous store: loopback when every
+    server is on this host, else this host's address on the route to the first remote server
+    (the kernel's choice of source; a UDP connect sends nothing). Not gethostbyname(gethostname()):
+    hosts that map their name to 127.0.1.1 would send the remote workers to their own loopback."""
+    remote = [h for h in server_hosts if h not in LOOPBACK]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((remote[0], 9))
+        return str(s.getsockname()[0])
 
 
 def _on_threads(calls: Sequence[Callable[[], Any]], main: Callable[[], Any]) -> None:
@@ -152,8 +174,8 @@ class NcclTransport(_GpuTransport):
                 link.server.post("/shutdown_weight_transfer_engine")
             self.comm = None
         sizes = [world_size(link.server) for link in self.links]
-        local = all(urlsplit(link.server.base_url).hostname in ("127.0.0.1", "localhost") for link in self.links)
-        address = self.master_address or ("127.0.0.1" if local else socket.gethostbyname(socket.gethostname()))
+        address = self.master_address or master_address([urlsplit(link.server.base_url).hostname or ""
+                                                          for link in self.links])
         port = free_port("0.0.0.0")
         common = {"master_address": address, "master_port": port, "world_size": 1 + sum(sizes), "packed": self.packed,
                   "packed_buffer_size_bytes": PACKED_BUFFER_BYTES, "packed_num_buffers": PACKED_BUFFERS}
@@ -183,11 +205,18 @@ class IpcTransport(_GpuTransport):
     def _connect(self) -> None:
         here = {str(torch.cuda.get_device_properties(i).uuid): torch.device("cuda", i)
                 for i in range(torch.cuda.device_count())}
-        wanted = {u for link in self.links for u in link.server.rpc("mrl_device_uuid")}
-        missing = wanted - set(here)
-        if missing:
-            raise RuntimeError(f"rollout.weight_transfer 'ipc': the servers' GPUs {sorted(missing)} are not visible to "
-                               "trainer rank 0; ipc needs the servers colocated on its node (else use nccl)")
+        wanted: set[str] = set()
+        for link in self.links:
+            reported = [str(u) for u in link.server.rpc("mrl_device_uuid")]     # engine 0's workers only
+            missing = set(reported) - set(here)
+            if missing:
+                raise RuntimeError(f"rollout.weight_transfer 'ipc': the servers' GPUs {sorted(missing)} are not "
+                                   "visible to trainer rank 0; ipc needs the servers colocated on its node (else use "
+                                   "nccl)")
+            try:
+                wanted.update(ipc_devices(list(here), world_size(link.server), reported))
+            except ValueError as exc:
+                raise RuntimeError(f"rollout.weight_transfer 'ipc', {link.server.base_url}: {exc}") from exc
         self.targets = {u: here[u] for u in sorted(wanted)}
         for link in self.links:
             link.init_engine({"packed": False})
