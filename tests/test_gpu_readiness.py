@@ -202,3 +202,39 @@ def test_train_batch_to_moves_every_tensor() -> None:
     for name, value in moved.__dict__.items():
         assert value is None or value.device.type == "meta", name
     assert moved.ref_logprobs is None and b.tokens.device.type == "cpu"
+
+
+def test_calibrated_gate_sits_above_the_noise_floor_never_below_the_dtype_bounds() -> None:
+    """Issue 30 item 3 (the server test: tests/test_verification_calibration.py)."""
+    from megatron_rl.train import verification as v
+
+    floor = torch.tensor([0.042, 0.096, 0.22, 0.45], dtype=torch.float64)     # bf16 at |z| ≈ 25 (measured)
+    gate = v.calibrate(floor, torch.bfloat16, None)
+    assert gate.floor == tuple(floor.tolist())
+    assert (gate.limits.mean, gate.limits.p90, gate.limits.max) == (v.NOISE_FACTOR * 0.042, v.NOISE_FACTOR * 0.096,
+                                                                    None)
+    assert v.failure(floor * 1.1, gate.limits) is None and v.failure(floor * 2.5, gate.limits) is not None
+    tiny = v.calibrate(torch.full((4,), 1e-4, dtype=torch.float64), torch.bfloat16, None)
+    assert tiny.limits == v.LIMITS[torch.bfloat16]                            # the dtype's bounds are a floor
+    fp32 = v.calibrate(torch.tensor([1e-6, 2e-6, 5e-6, 1e-4], dtype=torch.float64), torch.float32, None)
+    assert fp32.limits.max == v.NOISE_FACTOR * 1e-4
+    fixed = v.calibrate(floor, torch.bfloat16, 0.5)                           # rollout.verify_tolerance: fixed
+    assert fixed.limits.mean == 0.5 and fixed.limits == v.limits_for(torch.bfloat16, 0.5)
+    # The start-up measurement only has to rule out another model / garbage weights.
+    assert v.failure(floor, v.startup_limits(torch.bfloat16, None)) is None
+    assert v.failure(floor + 1.0, v.startup_limits(torch.bfloat16, None)) is not None
+
+
+def test_sampled_probe_verifies_the_sampled_tokens_only() -> None:
+    from megatron_rl.train import verification as v
+
+    prompts, responses = [[5, 6, 7], [8, 9]], [list(range(10, 22)), list(range(30, 40))]
+    probe = v.sampled_probe(prompts, responses, seq_len=16, pad=0)
+    assert probe is not None and probe.tokens.shape == (2, 16) and probe.mask.shape == (2, 15)
+    assert probe.tokens[0].tolist() == [5, 6, 7] + list(range(10, 22)) + [0]
+    assert probe.mask[0].nonzero().flatten().tolist() == list(range(2, 14))   # predicts tokens 3..14
+    assert probe.tokens[1].tolist()[:12] == [8, 9] + list(range(30, 40))
+    assert int(probe.mask.sum()) == 22
+    cut = v.sampled_probe(prompts, responses, seq_len=12, pad=0)              # responses cut at seq_len
+    assert cut is not None and int(cut.mask.sum()) == 9 + 10
+    assert v.sampled_probe(prompts, [[1], []], seq_len=16, pad=0) is None    # too few: the forced probe
