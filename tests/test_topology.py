@@ -67,3 +67,38 @@ def test_rendezvous_address_is_routed_not_the_hostname() -> None:
     assert master_address(["127.0.0.1", "localhost"]) == "127.0.0.1"
     # A remote server gets this host's address on the route to it (here a loopback alias: 127.0.0.1).
     assert master_address(["localhost", "127.0.0.2"]) == "127.0.0.1"
+
+
+def test_nccl_parts_are_coalesced_into_buckets() -> None:
+    from megatron_rl.weights.transport_gpu import coalesce
+
+    mib = 1 << 20
+    assert coalesce([32 * mib] * 5, 64 * mib) == [[0, 1], [2, 3], [4]]
+    assert coalesce([600 * mib, 10, 10], 512 * mib) == [[0], [1, 2]]        # a large part goes alone
+    assert coalesce([], 512 * mib) == []
+    # An 80B sync: ~160 GB in ~32 MiB gather parts → ~5,000 rounds, 512 MiB buckets → ~300.
+    parts = [32 * mib] * 5000
+    assert len(coalesce(parts, 512 * mib)) == -(-5000 * 32 // 512) == 313
+
+
+def test_gpu_transport_holds_parts_until_a_bucket_is_full() -> None:
+    """The buffering of `_GpuTransport` (the send itself needs CUDA: recorded here)."""
+    import torch
+
+    from megatron_rl.weights.transport_gpu import _GpuTransport
+
+    class Recording(_GpuTransport):
+        def __init__(self) -> None:
+            super().__init__([], torch.device("cuda", 0), bucket_bytes=1000)
+            self.buckets: list[list[str]] = []
+
+        def _send(self, tensors: dict[str, torch.Tensor]) -> None:
+            self.buckets.append(list(tensors))
+            self.sent += list(tensors)
+
+    t = Recording()
+    for i in range(5):
+        t.send_bucket({f"w{i}": torch.zeros(100)})                            # 400 bytes each
+    assert t.buckets == [["w0", "w1", "w2"]] and list(t.pending) == ["w3", "w4"]
+    t.flush()                                                                  # what finish() does first
+    assert t.buckets == [["w0", "w1", "w2"], ["w3", "w4"]] and t.pending == {}

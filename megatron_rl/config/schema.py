@@ -152,8 +152,9 @@ class RolloutConfig:
     startup_timeout_s: float = spec(600.0, gt=0.0)
     """How long to wait for the server's health endpoint."""
     sync_bucket_mb: int = spec(512, ge=1)
-    """Weight-sync bucket size in MiB: the CPU transport's shared-memory segment size (a tensor
-    larger than this gets a segment of its own)."""
+    """Weight-sync bucket size in MiB: the shm transport's segment size (a tensor larger than this
+    gets a segment of its own); the GPU transports (nccl, ipc) hold gathered parts on rank 0's GPU
+    until this much is pending and send it as one update."""
     weight_transfer: Literal["shm", "nccl", "ipc"] = "shm"
     """How weight syncs reach the servers, always through vLLM's weight-transfer engine routes:
     'shm' = trainer rank 0 writes one copy of the weights into segment files (/dev/shm, or the
