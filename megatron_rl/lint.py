@@ -350,6 +350,13 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if "experts" in lo.targets and (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) > 1:
         out.append(Finding("error", "lora-targets", "parallelism.expert_tensor_parallel_size",
                            "lora.targets 'experts' needs expert_tensor_parallel_size 1 (it defaults to the TP size)"))
+    if "experts" in lo.targets and gpus_per_node(cfg) and (hf is None or num_experts(hf)):
+        # The GPU build groups a layer's experts into TE's grouped GEMM (`providers._moe_config`),
+        # which has no per-expert linears to hook (`megatron/lora.py` raises after the model build).
+        out.append(Finding("error", "lora-targets", "lora.targets",
+                           "'experts' on a GPU job: the GPU build runs the experts as Transformer Engine's grouped "
+                           "GEMM, which has no per-expert linears for adapters; use q, k, v, o (CPU jobs: "
+                           "slurm.gpus_per_node 0)"))
     return out
 
 

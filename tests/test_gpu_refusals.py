@@ -98,3 +98,13 @@ def test_dry_run_and_validate_refuse(capsys: pytest.CaptureFixture[str], recipe:
     assert main(["recipe", "validate", path, override, "--no-check-paths"]) != 0
     out = capsys.readouterr()
     assert rule in out.out + out.err
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_lora_on_experts_is_refused_on_gpu_jobs(recipe: Path) -> None:
+    """Found with this audit: TE's grouped-GEMM experts have no per-expert linears for adapters."""
+    experts = ("lora.rank=8", "lora.targets=[q,experts]", "parallelism.expert_tensor_parallel_size=1",
+               "lora.base_quantization=none")
+    got = errors(recipe, *experts).get("lora-targets", [])
+    assert any("'experts' on a GPU job" in m for m in got), got
+    assert not any("GPU job" in m for m in errors(recipe, *experts, "slurm.gpus_per_node=0").get("lora-targets", []))
