@@ -143,6 +143,10 @@ def test_te_logprob_glue_divides_by_temperature_in_fp32(monkeypatch: pytest.Monk
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0][0], logits.float() / 0.9)
     ref = torch.log_softmax(logits.double() / 0.9, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     assert got.shape == target.shape and torch.allclose(got.double(), ref, atol=1e-5)
+    # fp32 logits that require grad (a leaf): the glue must not divide them in place.
+    leaf = logits.float().requires_grad_()
+    kept = leaf.detach().clone()
+    assert logprobs._te_target_logprobs(leaf, target, 0.9, None) is not None and torch.equal(leaf.detach(), kept)
     # The bf16 division it replaces is measurably off at |z| ~ 20 (a second rounding).
     old = torch.log_softmax((logits / 0.9).double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     assert (old - ref).abs().max() > 1e-3
