@@ -6,6 +6,8 @@
 PY := .venv/bin/python
 GPU_PY ?= python
 PYTEST_ARGS ?=
+# The gpu-marked tests (containers/selftest.py runs the same list inside the image).
+GPU_TESTS := tests/gpu
 # ruff and mypy run from the project venv; LINT_PY points them at another interpreter's.
 LINT_PY ?= $(PY)
 
@@ -23,7 +25,7 @@ test: env
 # Refuses when CUDA is not there: a GPU stage whose tests all skip must not pass.
 test-gpu:
 	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: CUDA is not available to $(GPU_PY) (torch ' + torch.__version__ + ')')"
-	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS) tests/gpu tests/unit/test_logprobs.py
+	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS) $(GPU_TESTS)
 
 # The edit loop: tests/unit (no vLLM server, torchrun or Slurm job); under 2 minutes.
 test-fast: env

@@ -25,7 +25,9 @@ if [[ "$(cat "$REQ/mode")" == offline ]]; then
     # Air-gapped: only the wheels build.sh copied in (from `build.sh --offline WHEELDIR`).
     pip+=(--no-index --find-links "$WHEELS")
 fi
-torch_version() { python -c 'import torch; print(torch.__version__)'; }
+# The installed distribution's version, as pip matches it: PyPI's CUDA wheels say 2.13.0 there while
+# torch.__version__ says 2.13.0+cu130, and a constraint with that local label matches no distribution.
+torch_version() { python -c 'from importlib.metadata import version; print(version("torch"))'; }
 base_torch=$(torch_version)
 echo "[image] 1/4 pinned packages (gpu + both); the base has torch $base_torch ..."
 PIP_CONSTRAINT="" "${pip[@]}" -r "$REQ/gpu-requirements.txt"

@@ -22,10 +22,16 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
 CONTAINER_SCOPES = ("gpu", "both", "nodeps", "gpu-late")
+GPU_TESTS = ("tests/gpu",)
+"""What `make test-gpu` runs (the Makefile's GPU_TESTS; tests/unit/test_containers.py checks they agree)."""
+CACHE_ENV = "MEGATRON_RL_CACHE"
+"""Where the tests build their demo assets (megatron_rl/commands/demo.py `cache_root`): the image's
+tree is read-only."""
 # Distribution name (as in pins.txt, without extras) → module to import. A pin without an entry
 # fails tests/unit/test_containers.py, so a new pin cannot skip the self-test.
 MODULES = {
@@ -149,8 +155,8 @@ def run_gpu_tests(home: Path) -> list[str]:
         print(f"GPU tests skipped: {tests} not in the image")
         return []
     # What `make test-gpu` runs.
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(tests),
-                           str(home / "tests" / "test_logprobs.py")], cwd=home)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *(str(home / t) for t in GPU_TESTS)],
+                          cwd=home, env={**os.environ, CACHE_ENV: os.environ.get(CACHE_ENV, tempfile.mkdtemp())})
     return [] if proc.returncode == 0 else [f"GPU tests failed (pytest exit {proc.returncode}, output above)"]
 
 

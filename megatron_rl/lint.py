@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from .config.schema import RecipeConfig
 from .model_config import ModelConfigError, num_experts, resolve_hf_config
+from .topology import duplicate_gpus, nccl_weight_group
 
 Level = Literal["error", "warning"]
 HF = dict[str, Any] | None
@@ -248,11 +249,24 @@ def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
 @rule("weight-transfer")
 def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
-    r = cfg.rollout
+    """What NCCL and CUDA IPC refuse at the first sync, refused here (`weights/transport_gpu.py`)."""
+    r, nodes = cfg.rollout, cfg.parallelism.nodes
     if r.weight_transfer == "ipc" and r.placement != "colocated":
         return [Finding("error", "weight-transfer", "rollout.weight_transfer",
                         "'ipc' shares GPU memory on the trainer's node: it needs placement 'colocated' "
                         "(use 'nccl' or 'shm' for rollout nodes)")]
+    if r.weight_transfer == "ipc" and nodes > 1:
+        return [Finding("error", "weight-transfer", "rollout.weight_transfer",
+                        f"'ipc' reaches only the GPUs of trainer rank 0's node, but the colocated servers run on "
+                        f"all {nodes} trainer nodes (parallelism.nodes); use 'shm' (or parallelism.nodes: 1)")]
+    shared = duplicate_gpus(nccl_weight_group(cfg)) if r.weight_transfer == "nccl" else []
+    if shared:
+        first = shared[0]
+        return [Finding("error", "weight-transfer", "rollout.weight_transfer",
+                        f"'nccl' puts {' and '.join(m.role for m in first)}, all on GPU {first[0].gpu} of node "
+                        f"{first[0].node}, into one NCCL group, which NCCL refuses (duplicate GPU; {len(shared)} "
+                        "GPU(s) shared); use 'shm' or 'ipc' for colocated servers, 'nccl' with placement "
+                        "'disaggregated'")]
     return []
 
 
@@ -282,6 +296,18 @@ def _sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
         return [Finding("warning", "sleep-needs-colocation", "rollout.sleep_level",
                         f"{r.sleep_level}: the servers have nodes of their own, so sleeping frees no memory "
                         "the trainer could use and costs a wake-up every step (set it to null)")]
+    return []
+
+
+@rule("lora-sleep")
+def _lora_sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    # Level 2 drops the server's weights; a LoRA sync after the wake sends only the adapted tensors
+    # (`train/lora_run.sync`), so every other tensor of the server would be whatever memory it got back.
+    if cfg.lora.rank > 0 and cfg.rollout.sleep_level == 2:
+        return [Finding("error", "lora-sleep", "rollout.sleep_level",
+                        "2 drops the servers' weights, and a LoRA/QLoRA sync refills only the adapted tensors: "
+                        "the base would be garbage after the wake; use sleep_level 1 (weights offloaded to "
+                        "host memory, brought back at the wake) or null")]
     return []
 
 
@@ -324,6 +350,13 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if "experts" in lo.targets and (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) > 1:
         out.append(Finding("error", "lora-targets", "parallelism.expert_tensor_parallel_size",
                            "lora.targets 'experts' needs expert_tensor_parallel_size 1 (it defaults to the TP size)"))
+    if "experts" in lo.targets and gpus_per_node(cfg) and (hf is None or num_experts(hf)):
+        # The GPU build groups a layer's experts into TE's grouped GEMM (`providers._moe_config`),
+        # which has no per-expert linears to hook (`megatron/lora.py` raises after the model build).
+        out.append(Finding("error", "lora-targets", "lora.targets",
+                           "'experts' on a GPU job: the GPU build runs the experts as Transformer Engine's grouped "
+                           "GEMM, which has no per-expert linears for adapters; use q, k, v, o (CPU jobs: "
+                           "slurm.gpus_per_node 0)"))
     return out
 
 
@@ -348,6 +381,15 @@ def _lora_quantization(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if lora.base_quantization == "fp8":
         return [Finding("error", "lora-base-quantization", "lora.base_quantization",
                         "'fp8' has no code path yet; allowed: nf4, none")]
+    if gpus_per_node(cfg):
+        # A GPU job builds the Transformer-Engine spec whenever TE is installed (the image), and
+        # `megatron/quantize.py` cannot quantize TE linears or grouped-GEMM experts; without TE,
+        # megatron's local spec refuses sequence parallelism on GPU. No QLoRA spec exists yet.
+        return [Finding("error", "lora-base-quantization", "lora.base_quantization",
+                        f"{lora.base_quantization!r} on a GPU job: the GPU build holds Transformer-Engine linears "
+                        "and grouped-GEMM experts, which the NF4 base cannot replace, and there is no QLoRA "
+                        "model spec for GPUs yet; it runs on CPU jobs only (slurm.gpus_per_node: 0). Use "
+                        "base_quantization: none (LoRA over the bf16 base)")]
     return []
 
 

@@ -4,7 +4,10 @@ Tiny Qwen3-MoE and Qwen3-Next actors (random weights, TP 1) in bf16 on CUDA (or 
 keeps this script alive): every parameter of the actor and of a frozen reference on the device,
 each micro-batch on the device inside the actor, log-probs against a float64 reference computed
 from the same logits, a GRPO step that moves the weights, the NaN guard (a NaN gradient under a
-finite loss skips the step and leaves the weights alone), and peak memory.
+finite loss skips the step and leaves the weights alone), and peak memory. Also the world group
+(`cpu:gloo,cuda:nccl` on CUDA: a CPU and a device all-reduce), the device this rank is bound to
+(LOCAL_RANK), and QLoRA on the local spec (`qwen3_moe_qlora`: the frozen base in NF4 on the device,
+q/k/v/o adapters; a step moves the adapters only).
 
 Needs torch and megatron-core (and PyYAML); no vLLM, Transformer-Engine or transformers. Qwen3-Next
 on CUDA also needs flash-linear-attention (`fla`); without it that model is reported as skipped.
@@ -40,7 +43,8 @@ QWEN3_NEXT: dict[str, Any] = dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
     norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=512, rms_norm_eps=1e-6,
     tie_word_embeddings=False)
-MODELS = {"qwen3_moe": QWEN3_MOE, "qwen3_next": QWEN3_NEXT}
+MODELS = {"qwen3_moe": QWEN3_MOE, "qwen3_next": QWEN3_NEXT, "qwen3_moe_qlora": QWEN3_MOE}
+DEFAULT_MODELS = "qwen3_moe,qwen3_next,qwen3_moe_qlora"
 LOGPROB_ATOL = 1e-4
 """Log-probs from the same logits, fp32 kernel vs float64: round-off only (measured ~1e-6)."""
 TEMPERATURE = 0.9
@@ -73,6 +77,13 @@ def _devices_of(model: torch.nn.Module) -> list[str]:
     return sorted({str(t.device) for t in [*module.parameters(), *module.buffers()]})
 
 
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the parameters, an NF4 base weight dequantized (torchao's NF4 clone re-quantizes
+    with its default blocks, which a small tensor does not fill)."""
+    return {n: (p.get_original_weight().float() if type(p).__name__ == "NF4Tensor" else p.detach()).clone()
+            for n, p in model.named_parameters()}
+
+
 def _logprob_check(actor: Any, batch: Any) -> float:
     """Max |Δ| of the actor's log-prob kernel vs float64 on the same logits."""
     from megatron_rl.megatron.actor import unwrap
@@ -86,17 +97,49 @@ def _logprob_check(actor: Any, batch: Any) -> float:
     return float((logp.double() - ref).abs().max())
 
 
+def world_group() -> dict[str, Any]:
+    """The world group's backend, a CPU (gloo) and, with CUDA, a device (NCCL) all-reduce."""
+    import torch.distributed as dist
+
+    from megatron_rl.megatron.devices import compute_device
+
+    device = compute_device()
+    out: dict[str, Any] = {"backend": str(dist.get_backend()), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+                           "bound_device": str(device)}
+    for where in ["cpu"] + (["cuda"] if device.type == "cuda" else []):
+        t = torch.ones(3, device=device if where == "cuda" else "cpu")
+        dist.all_reduce(t)
+        out[f"all_reduce_{where}"] = float(t.sum())
+    return out
+
+
+def _world_failures(r: dict[str, Any], device: str) -> list[str]:
+    checks = {"the rank's own device": r["bound_device"] == device and
+              (device == "cpu" or device == f"cuda:{r['local_rank']}"),
+              "a CPU all-reduce": r["all_reduce_cpu"] == 3.0}
+    if device != "cpu":
+        checks["cpu:gloo,cuda:nccl world group"] = "cuda:nccl" in r["backend"] and "cpu:gloo" in r["backend"]
+        checks["a device all-reduce (NCCL)"] = r.get("all_reduce_cuda") == 3.0
+    return [f"world group: {what}" for what, ok in checks.items() if not ok]
+
+
 def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig
+    from megatron_rl.config.schema import AlgorithmConfig, LoraConfig, TrainerConfig
     from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap
-    from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe
+    from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe, use_transformer_engine
 
     if name == "qwen3_next" and torch.cuda.is_available() and importlib.util.find_spec("fla") is None:
         return {"skipped": "flash-linear-attention (fla) is not installed; Qwen3-Next needs it on CUDA"}
+    qlora = name.endswith("_qlora")
+    if qlora and use_transformer_engine():
+        return {"skipped": "QLoRA has no Transformer-Engine spec yet (lint: lora-base-quantization)"}
+    if qlora and importlib.util.find_spec("torchao") is None:
+        return {"skipped": "torchao (QLoRA's NF4) is not installed"}
     started = time.perf_counter()
     init_parallel(ParallelLayout(), seed=1)
     recipe = build_model_recipe(hf, ParallelLayout(), dtype)
-    actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3), ParallelLayout(), total_updates=4))
+    lora = LoraConfig(rank=8, alpha=16.0, targets=["q", "k", "v", "o"], base_quantization="nf4") if qlora else None
+    actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3), ParallelLayout(), total_updates=4), lora=lora)
     actor.optimizer.reload_model_params()
     reference = Actor(recipe, 2, None)
     seen: set[str] = set()
@@ -108,16 +151,23 @@ def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, An
     out: dict[str, Any] = {
         "param_devices": _devices_of(actor.model), "reference_devices": _devices_of(reference.model),
         "logprobs_device": str(batch.old_logprobs.device), "logprob_max_abs_err_vs_fp64": _logprob_check(actor, batch)}
-    before = [p.detach().clone() for p in actor.model.parameters()]
+    if actor.quantization is not None:
+        out["nf4_modules"] = len(actor.quantization.quantized)
+    before = _snapshot(actor.model)
     cfg = AlgorithmConfig(kl_beta=0.05)
     step = actor.train_step(batch, cfg, "grpo", TEMPERATURE, rl_step=0)
-    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(actor.model.parameters(), before))
-    after = [p.detach().clone() for p in actor.model.parameters()]
+    now = _snapshot(actor.model)
+    changed = {n for n in now if not torch.equal(now[n], before[n])}
+    moved = max(float((now[n] - before[n]).abs().max()) for n in now)
+    if qlora:
+        trainable = {n for n, p in actor.model.named_parameters() if p.requires_grad}
+        out["only_adapters_moved"] = bool(changed) and changed <= trainable
+    after = _snapshot(actor.model)
     param = next(p for p in actor.model.parameters() if p.requires_grad)
     hook = param.register_hook(lambda g: torch.full_like(g, math.nan))
     poisoned = actor.train_step(batch, cfg, "grpo", TEMPERATURE, rl_step=1)
     hook.remove()
-    unchanged = all(torch.equal(p.detach(), a) for p, a in zip(actor.model.parameters(), after))
+    unchanged = all(torch.equal(now, after[n]) for n, now in _snapshot(actor.model).items())
     out.update(batch_devices=sorted(seen), loss=step["loss/total"], grad_norm=step["grad_norm"],
                update_skipped=step["update_skipped"], max_weight_change=moved,
                nan_guard={"loss": poisoned["loss/total"], "grad_norm": poisoned["grad_norm"],
@@ -139,6 +189,9 @@ def _failures(name: str, r: dict[str, Any], device: str) -> list[str]:
                                                       and r["nan_guard"]["skipped"] == 1.0
                                                       and r["nan_guard"]["weights_unchanged"]),
     }
+    if "nf4_modules" in r or name.endswith("_qlora"):
+        checks["an NF4 base"] = r.get("nf4_modules", 0) > 0
+        checks["a step moves the adapters only"] = r.get("only_adapters_moved") is True
     return [f"{name}: {what}" for what, ok in checks.items() if not ok]
 
 
@@ -155,7 +208,7 @@ def _plain(value: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="qwen3_moe,qwen3_next")
+    parser.add_argument("--models", default=DEFAULT_MODELS)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     args = parser.parse_args(argv)
     torch.set_num_threads(min(4, os.cpu_count() or 1))
@@ -171,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"device": device, "torch": torch.__version__, "dtype": args.dtype,
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     failures: list[str] = []
+    try:
+        report["world"] = world_group()
+        failures += _world_failures(report["world"], device)
+    except Exception as exc:              # noqa: BLE001 - reported in the JSON line
+        report["world"] = {"error": f"{type(exc).__name__}: {exc}"}
+        failures.append(f"world group: {type(exc).__name__}")
     for name in args.models.split(","):
         try:
             report[name] = run_model(name, MODELS[name], dtype)

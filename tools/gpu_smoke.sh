@@ -2,7 +2,7 @@
 # One-GPU smoke check of the trainer's GPU path (tools/gpu_smoke.py); prints one JSON line and
 # exits non-zero when a check fails. Runs on the CPU too (CI: tests/unit/test_gpu_smoke.py).
 #
-#   tools/gpu_smoke.sh [--models qwen3_moe,qwen3_next] [--dtype bf16|fp32]
+#   tools/gpu_smoke.sh [--models qwen3_moe,qwen3_next,qwen3_moe_qlora] [--dtype bf16|fp32]
 #
 # On a machine without megatron-core (or PyYAML), put their wheels in a directory and pass it as
 # SMOKE_WHEELS=/path/to/wheels: they are unpacked into a temporary directory on PYTHONPATH (no

@@ -10,18 +10,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_ENV = "MEGATRON_RL_CACHE"
-"""Where the demo's (and the tests') built assets go instead of the checkout's .cache: for a
-read-only install (the container image) or a fresh, empty cache."""
+"""Where the demo's (and the tests') built assets go instead of the checkout's .cache: a fresh,
+empty cache, or a writable one beside a read-only install (containers/selftest.py sets it)."""
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or REPO / ".cache")
+def cache_root(repo: Path = REPO, env: Mapping[str, str] = os.environ) -> Path:
+    """$MEGATRON_RL_CACHE, else the checkout's .cache when it can be written, else one under
+    $TMPDIR: inside the image the checkout is the read-only /opt/megatron-rl."""
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV])
+    try:
+        (repo / ".cache").mkdir(exist_ok=True)
+        with tempfile.TemporaryFile(dir=repo / ".cache"):
+            return repo / ".cache"
+    except OSError:
+        return Path(env.get("TMPDIR") or tempfile.gettempdir()) / "megatron-rl-cache"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

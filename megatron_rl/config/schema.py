@@ -152,8 +152,9 @@ class RolloutConfig:
     startup_timeout_s: float = spec(600.0, gt=0.0)
     """How long to wait for the server's health endpoint."""
     sync_bucket_mb: int = spec(512, ge=1)
-    """Weight-sync bucket size in MiB: the CPU transport's shared-memory segment size (a tensor
-    larger than this gets a segment of its own)."""
+    """Weight-sync bucket size in MiB: the shm transport's segment size (a tensor larger than this
+    gets a segment of its own); the GPU transports (nccl, ipc) hold gathered parts on rank 0's GPU
+    until this much is pending and send it as one update."""
     weight_transfer: Literal["shm", "nccl", "ipc"] = "shm"
     """How weight syncs reach the servers, always through vLLM's weight-transfer engine routes:
     'shm' = trainer rank 0 writes one copy of the weights into segment files (/dev/shm, or the
@@ -164,8 +165,10 @@ class RolloutConfig:
     verify_every: int = spec(1, ge=0)
     """Verify the server's log-probs against the trainer's every N syncs (0 = never)."""
     verify_tolerance: float | None = spec(None, gt=0.0)
-    """Bound on the mean |Δ log-prob| of the post-sync verification; None = the bounds of the
-    training dtype (mean, 90th percentile and, in fp32, max: `train/verification.py`)."""
+    """Bound on the mean |Δ log-prob| of the post-sync verification, fixed; None = self-calibrated:
+    the noise floor measured at start-up on tokens the server sampled, with the same weights on both
+    sides, times a factor, never below the bounds of the training dtype (mean, 90th percentile and,
+    in fp32, max: `train/verification.py`)."""
     cpu_kvcache_gb: int = spec(1, ge=1)
     """VLLM_CPU_KVCACHE_SPACE on CPU runs (GiB)."""
     routing_replay: bool = False

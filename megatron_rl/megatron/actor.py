@@ -29,7 +29,7 @@ from ..objectives import (
 )
 from ..types import TrainBatch
 from . import cpu_compat
-from .devices import compute_device, init_distributed
+from .devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, compute_device, init_distributed
 from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
 from .providers import ModelRecipe, ParallelLayout, build_gpt_model
 from .routing_replay import RoutingReplay, fit_routes
@@ -46,9 +46,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 
-def init_parallel(layout: ParallelLayout, seed: int) -> None:
-    """torch.distributed (see `devices.init_distributed`) + Megatron's parallel groups, re-entrant."""
-    init_distributed()
+def init_parallel(layout: ParallelLayout, seed: int,
+                  timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN) -> None:
+    """torch.distributed (see `devices.init_distributed`) + Megatron's parallel groups, re-entrant.
+    The groups wait as long as the world group (trainer.collective_timeout_min), not megatron's 30
+    minutes: a TP/DP/EP collective can wait out a rollout just like the world's."""
+    init_distributed(timeout_min)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -56,6 +59,7 @@ def init_parallel(layout: ParallelLayout, seed: int) -> None:
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+        distributed_timeout_minutes=math.ceil(timeout_min),
     )
     model_parallel_cuda_manual_seed(seed)
 

@@ -25,7 +25,7 @@ collective latencies are the last constants: vLLM's scheduler and sampler per de
 CUDA graphs (~2 ms), and NCCL small-message all-reduce latencies (~10 µs inside a node over NVLink;
 ~50 µs across nodes: a reduce over NVLink, one InfiniBand exchange, a broadcast over NVLink).
 How these were chosen, and the first choice (0.20 / 0.50 / 30 µs) that predicted the published
-runs 26–31 % fast, is in tests/test_planner_time.py.
+runs 26–31 % fast, is in tests/unit/test_planner_time.py.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ GPUS: dict[str, GpuSpec] = {
     "B200": GpuSpec("B200", 180.0, 2250.0, 8.0, 900.0, 50.0, 50.0, 465.0, 2048.0, 1024),
 }
 DEFAULT_GPU = "H100"
-"""`plan --gpu`'s default (the literal in commands/plan.py; checked in tests/test_planner_time.py)."""
+"""`plan --gpu`'s default (the literal in commands/plan.py; checked in tests/unit/test_planner_time.py)."""
 
 HOST_STEP_OVERHEAD_S = 2e-3
 """vLLM's per-decode-step scheduling and sampling with CUDA graphs (V1 engine)."""

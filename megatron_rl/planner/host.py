@@ -12,7 +12,7 @@ Trainer node, per rank × ranks per node (every rank holds the step's rollout on
 * rollout batch tensors — `TrainBatch` at the padded `seq_len` width: tokens int64 (8 B), mask,
   rollout / π_old / π_ref log-probs fp32 (4 B each per target position), advantages, routes
   (`rollout.routing_replay`: layers × top-k ids per token, uint8 up to 256 experts else int16, plus
-  a 1-byte valid flag) — measured against a real `build_batch` in tests/test_planner_host.py;
+  a 1-byte valid flag) — measured against a real `build_batch` in tests/unit/test_planner_host.py;
 * rollout samples — the groups as Python objects: token lists (an 8-byte pointer + a 28-byte int
   object per token; ids < 257 are shared; a prompt's list once per group), the response log-probs
   (8 + 24 B per float) and, with routes, each sample's numpy routes array (itemsize × layers ×

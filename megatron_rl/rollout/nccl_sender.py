@@ -26,11 +26,15 @@ def broadcast(comm: Any, tensors: dict[str, torch.Tensor], device: torch.device,
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
     with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
         if packed:
+            # The producer packs (torch.cat) on side streams of its own without waiting for this
+            # one, where the tensors were just written (the gather's recv/cat, the .to/.contiguous
+            # copies; a sync collective's wait() orders only the current stream): finish them first.
+            stream.synchronize()
             packed_nccl_broadcast_producer(iter(tensors.items()), comm, 0, lambda item: item[1],
                                            PACKED_BUFFER_BYTES, PACKED_BUFFERS)
             return
-        stream = torch.cuda.current_stream(device)
         for t in tensors.values():
             comm.broadcast(t, src=0, stream=stream)
         stream.synchronize()

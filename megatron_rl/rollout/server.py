@@ -24,6 +24,7 @@ import httpx
 import torch
 
 from ..config.schema import RolloutConfig
+from .affinity import CPUS_ENV, format_cpu_list, online_cpus
 from .shm import SHM, stale_vllm_segments
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
@@ -154,7 +155,10 @@ class RolloutServer:
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"   # vLLM's ipc engine unpickles the CUDA IPC handles
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
-        if not torch.cuda.is_available():
+        if torch.cuda.is_available():
+            # Not the NUMA pin of the trainer rank that starts us (rollout/affinity.py).
+            env[CPUS_ENV] = format_cpu_list(online_cpus())
+        else:
             # glibc keeps freed memory instead of unmapping it: vLLM's layer-wise reload allocates
             # every layer afresh, and on this VM fresh pages made a weight update 1.6× slower
             # (bench/sync_bench.py). An explicit setting in the environment wins.

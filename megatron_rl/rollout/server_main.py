@@ -56,6 +56,9 @@ def _watch_parent() -> None:
 def main() -> None:
     if not os.environ.get("VLLM_API_KEY"):
         sys.exit("error: VLLM_API_KEY must hold the run's secret token")
+    from .affinity import apply_server_affinity
+
+    apply_server_affinity()          # before vLLM starts its processes, which inherit it
     _watch_parent()
     _guard_every_route()
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main

@@ -31,6 +31,7 @@ from .session import Session
 from .setup import Prompts, export_hf, init_process_group, make_run_dir
 from .step_parts import probe_batch, step_metrics, timed
 from .update_phase import update, with_policy_logprobs
+from .verification import Gate
 
 
 def train(cfg: RecipeConfig, resume: bool = False) -> Path:
@@ -44,15 +45,21 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     log = open_metrics_log(cfg, run_dir, start)
     signals = StopSignals().install()
     r = cfg.rollout
-    probe = probe_batch(session, r.max_prompt_length + r.max_response_length, _pad(session),
-                        task.task.probe_response)
+    seq_len = r.max_prompt_length + r.max_response_length
+    forced = probe_batch(session, seq_len, _pad(session), task.task.probe_response)
     eval_set = load_eval_set(cfg, session.tokenizer, task)
     try:
         session.start_server()
         # A resumed run re-sends its checkpointed weights under their own version.
         version = version if resumed else version + 1
-        sync_phase.push_weights(session, version)
-        first = sync_phase.verify(session, probe, version)
+        if sync_phase.calibrates_before_push(session, resumed is not None):
+            # The noise floor on the servers' own load of the checkpoint; the first sync is gated.
+            probe, gate, first = sync_phase.calibrate(session, forced, 0, seq_len, _pad(session))
+            sync_phase.push_weights(session, version)
+            first.update(sync_phase.verify(session, probe, version, gate))
+        else:
+            sync_phase.push_weights(session, version)
+            probe, gate, first = sync_phase.calibrate(session, forced, version, seq_len, _pad(session))
         if session.rank0:
             print(startup_summary(cfg, session, task, start, first), flush=True)
         progress = Progress(start + 1, total)
@@ -64,7 +71,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             if bad_in_row >= cfg.trainer.max_bad_steps_in_row:
                 raise Stop(f"{bad_in_row} steps in a row had a non-finite loss or gradient; stopping")
             version += 1
-            published = publish(session, task, step, version, probe, eval_set, timings)
+            published = publish(session, task, step, version, (probe, gate), eval_set, timings)
             metrics = learned.metrics(timings, published, version)
             metrics.update({"data/epoch": session.order.epoch, "data/position": session.order.position})
             if log is not None:
@@ -132,7 +139,7 @@ def learn(session: Session, task: LoadedTask, step: int, version: int, timings: 
     return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing)
 
 
-def publish(session: Session, task: LoadedTask, step: int, version: int, probe: TrainBatch,
+def publish(session: Session, task: LoadedTask, step: int, version: int, probe: tuple[TrainBatch, Gate],
             eval_set: Prompts | None, timings: dict[str, float]) -> dict[str, float]:
     """Sync the updated weights as `version`, verify them every `rollout.verify_every` versions,
     evaluate every `evaluation.interval` steps; returns their metrics (collective)."""
@@ -141,7 +148,8 @@ def publish(session: Session, task: LoadedTask, step: int, version: int, probe: 
         session.wake_servers()
         extra = sync_phase.sync_metrics(sync_phase.push_weights(session, version))
         if cfg.rollout.verify_every and version % cfg.rollout.verify_every == 0:
-            extra.update(sync_phase.verify(session, probe, version))
+            batch, gate = probe
+            extra.update(sync_phase.verify(session, batch, version, gate))
     if eval_set is not None and step % cfg.evaluation.interval == 0:
         with timed(timings, "eval"):
             extra.update(evaluate(session, eval_set, task, version))

@@ -29,6 +29,10 @@ def startup_summary(cfg: RecipeConfig, session: Any, task: LoadedTask, start: in
         ("task", f"{task.task.name}: {rewards}"),
         ("server", f"{servers} (weights verified: |Δ log-prob| mean {verified['sync/verify_mean_abs_diff']:.2g}, "
                    f"max {verified['sync/verify_max_abs_diff']:.2g})"),
+        ("verify gate", f"noise floor mean {verified.get('sync/verify_floor_mean', float('nan')):.2g}, "
+                        f"p90 {verified.get('sync/verify_floor_p90', float('nan')):.2g} → later syncs within mean "
+                        f"{verified.get('sync/verify_bound_mean', float('nan')):.2g}, "
+                        f"p90 {verified.get('sync/verify_bound_p90', float('nan')):.2g}"),
         ("steps", f"{steps} × {session.prompts_per_step} prompts × {r.n} samples"),
         ("run dir", str(session.run_dir)),
     ]

@@ -58,7 +58,7 @@ class Session:
         self.prompts_per_step = t.global_batch_size * a.steps_per_generation // cfg.rollout.n
         self.total_steps = t.max_steps or t.epochs * math.ceil(len(self.prompts.records) / self.prompts_per_step)
         updates = self.total_steps * a.steps_per_generation
-        init_parallel(cfg.parallelism, t.seed)
+        init_parallel(cfg.parallelism, t.seed, t.collective_timeout_min)
         recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
                            t.max_tokens_per_microbatch, lora=cfg.lora)
@@ -129,8 +129,16 @@ class Session:
             supervisor.call(f"sleep (level {level})", server.sleep, level)
 
     def wake_servers(self) -> None:
-        """Before the weight sync: a level-2 sleep dropped the weights, which the sync refills."""
-        if self.cfg.rollout.sleep_level is None or not self.rank0:
+        """Collective. Before the weight sync: a level-2 sleep dropped the weights, which the sync
+        refills. Every rank first returns its cached-but-free GPU memory: the caching allocator may
+        have grown into what the sleep freed, and vLLM's wake_up maps its weights and KV cache back
+        into the same GPUs (CUDA OOM otherwise); the barrier keeps rank 0 from waking the servers
+        before the other ranks on their GPUs have let go."""
+        if self.cfg.rollout.sleep_level is None:
+            return
+        release_cached_gpu_memory()
+        dist.barrier()
+        if not self.rank0:
             return
         for server, supervisor in zip(self.servers, self.supervisors):
             supervisor.call("wake-up", server.wake_up)
@@ -152,6 +160,15 @@ class Session:
             server.stop()                                    # a no-op for external servers
         if self.own_server is not None:
             self.own_server.stop()
+
+
+def release_cached_gpu_memory() -> bool:
+    """Return the caching allocator's free blocks to the driver (a no-op without CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return True
 
 
 def _load_init(actor: Actor, path: str) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..megatron.devices import wait_for_rank0
-from ..rollout.client import RolloutClient
+from ..rollout.client import RolloutClient, SamplingSettings
 from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
 from ..types import TrainBatch
 from ..weights.sync import SyncReport
@@ -31,13 +31,57 @@ def sync_metrics(report: SyncReport | None) -> dict[str, float]:
     return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}
 
 
-def verify(session: Any, probe: TrainBatch, version: int) -> dict[str, float]:
-    """Server log-probs of fixed sequences vs the trainer's own (T = 1): statistics of |Δ| over
-    the probe's response tokens, gated by the bounds of the weights' dtype (`verification`).
+def calibrate(session: Any, forced: TrainBatch, version: int, seq_len: int, pad: int) -> tuple[TrainBatch, Any,
+                                                                                            dict[str, float]]:
+    """The start-up measurement of the gate (collective): the server samples a completion of each
+    forced-probe prompt; with the same weights on both sides (`version`), |Δ| on those sampled
+    tokens is the kernel noise floor the later syncs are gated against (`verification.calibrate`).
+    Returns (the probe of every later verification, the gate, the start-up metrics)."""
+    box: list[Any] = [None]
+    if session.rank0:
+        prompts = [row[:int(m.nonzero().min()) + 1].tolist() for row, m in zip(forced.tokens, forced.mask)]
+        r = session.cfg.rollout
+        settings = SamplingSettings(n=1, temperature=1.0, top_p=1.0, top_k=-1,
+                                    max_tokens=min(verification.PROBE_TOKENS, r.max_response_length))
+        samples = session.supervisors[0].call("the verification probe", session.clients[0].generate, prompts, settings)
+        box[0] = verification.sampled_probe(prompts, [group[0].response_ids for group in samples], seq_len, pad)
+    dist.broadcast_object_list(box, src=0)
+    probe = forced if box[0] is None else box[0]
+    tolerance = session.cfg.rollout.verify_tolerance
+    stats = _probe_stats(session, probe, version, verification.startup_limits(session.dtype, tolerance))
+    problem = verification.failure(stats, verification.startup_limits(session.dtype, tolerance))
+    if problem:
+        raise Stop(f"start-up verification failed at version {version} ({session.dtype}): {problem} (server and "
+                   "trainer disagree on the same weights: another model, or a broken load)")
+    gate = verification.calibrate(stats, session.dtype, tolerance)
+    return probe, gate, {**verification.as_metrics(stats), **verification.gate_metrics(gate)}
+
+
+def calibrates_before_push(session: Any, resumed: bool) -> bool:
+    """Whether the servers' own load of the checkpoint equals the trainer's weights, so that the
+    noise floor is measured before any sync (and the first sync is gated): a fresh run from an HF
+    directory with an unquantized base. Otherwise the floor is measured after the first sync."""
+    return not resumed and not session.init.megatron and session.actor.quantization is None
+
+
+def verify(session: Any, probe: TrainBatch, version: int, gate: verification.Gate) -> dict[str, float]:
+    """Server log-probs of the probe vs the trainer's own (T = 1): statistics of |Δ| over the
+    probe's verified tokens, gated by the run's calibrated bounds (`verification`).
     Collective: every rank returns the metrics or raises `Stop`."""
+    stats = _probe_stats(session, probe, version, gate.limits)
+    problem = verification.failure(stats, gate.limits)
+    if problem:
+        floor = dict(zip(verification.STATS, gate.floor))
+        raise Stop(f"weight-sync verification failed at version {version} ({session.dtype}): {problem} (server and "
+                   f"trainer disagree; the start-up noise floor was mean {floor.get('mean', float('nan')):.3g}, "
+                   f"p90 {floor.get('p90', float('nan')):.3g})")
+    return verification.as_metrics(stats)
+
+
+def _probe_stats(session: Any, probe: TrainBatch, version: int, limits: verification.Limits) -> torch.Tensor:
+    """`diff_stats` of server minus trainer over every server (collective; every rank gets them)."""
     trainer_lp = session.actor.compute_logprobs(probe, temperature=1.0)      # on the CPU
     stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
-    limits = verification.limits_for(session.dtype, session.cfg.rollout.verify_tolerance)
     if session.rank0:
         seqs = verification.probe_sequences(probe)
         # What a restarted server is checked against (max |Δ|: a server restarted with other
@@ -51,11 +95,7 @@ def verify(session: Any, probe: TrainBatch, version: int) -> dict[str, float]:
             clients.append(_Supervised(client, supervisor))
         stats = verification.diff_stats(verification.server_diffs(trainer_lp, probe, clients))
     dist.broadcast(stats, src=0)                         # a CPU tensor: gloo, also on GPU runs
-    problem = verification.failure(stats, limits)
-    if problem:
-        raise Stop(f"weight-sync verification failed at version {version} ({session.dtype}): {problem} "
-                   "(server and trainer disagree)")
-    return verification.as_metrics(stats)
+    return stats
 
 
 class _Supervised:

@@ -160,5 +160,6 @@ def make_transport(backend: Backend, servers: Sequence[EngineServer], sync_root:
     if device is None or device.type != "cuda":
         raise ValueError(f"rollout.weight_transfer: {backend!r} sends from a CUDA device; this trainer has "
                          f"{device}. Use 'shm' without GPUs")
-    gpu = NcclTransport(servers, device) if backend == "nccl" else IpcTransport(servers, device)
+    gpu = NcclTransport(servers, device, bucket_bytes=segment_bytes) if backend == "nccl" else \
+        IpcTransport(servers, device, segment_bytes)
     return gpu, list(gpu.links)

@@ -12,7 +12,12 @@ Every tensor is sent from `self.device`, the device given at construction (rank 
 - `ipc`: colocated servers on rank 0's node. vLLM's workers rebuild each tensor from a CUDA IPC
   handle on their own GPU (keyed by its UUID), so rank 0 copies each tensor once to every GPU a
   worker uses (peer copies) and ships the handles, pickled: the server must run with
-  VLLM_ALLOW_INSECURE_SERIALIZATION=1 (`RolloutServer.environment`).
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1 (`RolloutServer.environment`). Under DP > 1 /collective_rpc
+  answers for engine 0's workers only, so the other engines' GPUs come from the DP layout
+  (`topology.ipc_devices`). One node only (lint: `weight-transfer`).
+
+With DP > 1 the per-worker count of what was loaded (`mrl_loaded`, /collective_rpc) is engine 0's
+only (audit-2 #13); vLLM's /update_weights and /finish_weight_update do reach every engine.
 
 Neither keeps a copy of the weights, so a restarted server cannot be brought back to them here:
 `resend_latest` raises (the run stops; resuming from the checkpoint syncs again).
@@ -34,6 +39,7 @@ import torch
 
 from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, open_group
 from ..rollout.server import free_port
+from ..topology import ipc_devices
 from .transport_engine import EngineLink, EngineServer
 from .transport_file import one_result
 
@@ -49,6 +55,22 @@ def world_size(server: EngineServer) -> int:
                      headers={"Authorization": f"Bearer {server.token}"})
     resp.raise_for_status()
     return int(resp.json()["world_size"])
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def master_address(server_hosts: Sequence[str]) -> str:
+    """The address the servers' workers dial for rank 0's rendezvous store: loopback when every
+    server is on this host, else this host's address on the route to the first remote server
+    (the kernel's choice of source; a UDP connect sends nothing). Not gethostbyname(gethostname()):
+    hosts that map their name to 127.0.1.1 would send the remote workers to their own loopback."""
+    remote = [h for h in server_hosts if h not in LOOPBACK]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((remote[0], 9))
+        return str(s.getsockname()[0])
 
 
 def _on_threads(calls: Sequence[Callable[[], Any]], main: Callable[[], Any]) -> None:
@@ -87,14 +109,33 @@ class GpuLink(EngineLink):
         pass
 
 
+def coalesce(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive parts grouped into buckets of at least `bucket_bytes` (the last may be smaller):
+    each bucket is one /update_weights per server, one engine round and one device synchronise,
+    instead of one per ~32 MiB gather part (~5,000 round trips per 80B sync)."""
+    out: list[list[int]] = [[]]
+    filled = 0
+    for i, size in enumerate(sizes):
+        out[-1].append(i)
+        filled += size
+        if filled >= bucket_bytes:
+            out.append([])
+            filled = 0
+    return [b for b in out if b]
+
+
 class _GpuTransport:
-    def __init__(self, servers: Sequence[EngineServer], device: torch.device) -> None:
+    def __init__(self, servers: Sequence[EngineServer], device: torch.device, bucket_bytes: int = 512 << 20) -> None:
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"a GPU weight transport needs an explicit CUDA device, got {device}")
         self.device = device
         self.links = [GpuLink(s) for s in servers]
         self.version = 0
         self.sent: list[str] = []
+        self.bucket_bytes = bucket_bytes
+        """Parts are held (on the GPU) until this many bytes are pending, then sent as one bucket
+        (`coalesce`; rollout.sync_bucket_mb)."""
+        self.pending: dict[str, torch.Tensor] = {}
         self.connected_at: list[int] | None = None
         """Each server's restart count when the engines were initialised."""
 
@@ -102,7 +143,7 @@ class _GpuTransport:
         if self.connected_at != [link.server.restarts for link in self.links]:
             self._connect()
             self.connected_at = [link.server.restarts for link in self.links]
-        self.version, self.sent = version, []
+        self.version, self.sent, self.pending = version, [], {}
         started: list[GpuLink] = []
         try:
             for link in self.links:
@@ -113,7 +154,21 @@ class _GpuTransport:
                 link.server.post("/resume")
             raise
 
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.pending.update(tensors)
+        if sum(t.nbytes for t in self.pending.values()) >= self.bucket_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            tensors, self.pending = self.pending, {}
+            self._send(tensors)
+
+    def _send(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
     def finish(self, names: list[str]) -> dict[str, Any]:
+        self.flush()
         if sorted(self.sent) != sorted(names):
             raise RuntimeError(f"weight update incomplete: {len(self.sent)} tensors sent, {len(names)} expected")
         results = []
@@ -126,6 +181,7 @@ class _GpuTransport:
 
     def abort(self) -> None:
         """Close the servers' updates so they serve again (with a mix of weights: the run is failing)."""
+        self.pending = {}
         for link in self.links:
             try:
                 link.finish(self.version)
@@ -140,8 +196,8 @@ class NcclTransport(_GpuTransport):
     """vLLM's `nccl` engine: one broadcast from rank 0's GPU reaches every worker of every server."""
 
     def __init__(self, servers: Sequence[EngineServer], device: torch.device, packed: bool = True,
-                 master_address: str | None = None) -> None:
-        super().__init__(servers, device)
+                 master_address: str | None = None, bucket_bytes: int = 512 << 20) -> None:
+        super().__init__(servers, device, bucket_bytes)
         self.packed = packed
         self.master_address = master_address
         self.comm: Any = None
@@ -152,8 +208,8 @@ class NcclTransport(_GpuTransport):
                 link.server.post("/shutdown_weight_transfer_engine")
             self.comm = None
         sizes = [world_size(link.server) for link in self.links]
-        local = all(urlsplit(link.server.base_url).hostname in ("127.0.0.1", "localhost") for link in self.links)
-        address = self.master_address or ("127.0.0.1" if local else socket.gethostbyname(socket.gethostname()))
+        address = self.master_address or master_address([urlsplit(link.server.base_url).hostname or ""
+                                                          for link in self.links])
         port = free_port("0.0.0.0")
         common = {"master_address": address, "master_port": port, "world_size": 1 + sum(sizes), "packed": self.packed,
                   "packed_buffer_size_bytes": PACKED_BUFFER_BYTES, "packed_num_buffers": PACKED_BUFFERS}
@@ -164,7 +220,7 @@ class NcclTransport(_GpuTransport):
         _on_threads(calls, lambda: result.append(open_group(address, port, 1 + sum(sizes), self.device)))
         self.comm = result[0]
 
-    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _send(self, tensors: dict[str, torch.Tensor]) -> None:
         local = {n: t.to(self.device).contiguous() for n, t in tensors.items()}
         meta = _meta(local)
         _on_threads([partial(link.update, meta) for link in self.links],
@@ -175,24 +231,31 @@ class NcclTransport(_GpuTransport):
 class IpcTransport(_GpuTransport):
     """vLLM's `ipc` engine: workers map rank 0's tensors (copied to their GPUs) by CUDA IPC handle."""
 
-    def __init__(self, servers: Sequence[EngineServer], device: torch.device) -> None:
-        super().__init__(servers, device)
+    def __init__(self, servers: Sequence[EngineServer], device: torch.device, bucket_bytes: int = 512 << 20) -> None:
+        super().__init__(servers, device, bucket_bytes)
         self.targets: dict[str, torch.device] = {}
         """GPU UUID → this process's device, for every GPU a worker uses."""
 
     def _connect(self) -> None:
         here = {str(torch.cuda.get_device_properties(i).uuid): torch.device("cuda", i)
                 for i in range(torch.cuda.device_count())}
-        wanted = {u for link in self.links for u in link.server.rpc("mrl_device_uuid")}
-        missing = wanted - set(here)
-        if missing:
-            raise RuntimeError(f"rollout.weight_transfer 'ipc': the servers' GPUs {sorted(missing)} are not visible to "
-                               "trainer rank 0; ipc needs the servers colocated on its node (else use nccl)")
+        wanted: set[str] = set()
+        for link in self.links:
+            reported = [str(u) for u in link.server.rpc("mrl_device_uuid")]     # engine 0's workers only
+            missing = set(reported) - set(here)
+            if missing:
+                raise RuntimeError(f"rollout.weight_transfer 'ipc': the servers' GPUs {sorted(missing)} are not "
+                                   "visible to trainer rank 0; ipc needs the servers colocated on its node (else use "
+                                   "nccl)")
+            try:
+                wanted.update(ipc_devices(list(here), world_size(link.server), reported))
+            except ValueError as exc:
+                raise RuntimeError(f"rollout.weight_transfer 'ipc', {link.server.base_url}: {exc}") from exc
         self.targets = {u: here[u] for u in sorted(wanted)}
         for link in self.links:
             link.init_engine({"packed": False})
 
-    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _send(self, tensors: dict[str, torch.Tensor]) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
         meta = _meta(tensors)

@@ -1,6 +1,7 @@
 """A real vLLM server on the GPU takes the trainer's weights (file transport, layer-wise reload
 on CUDA): after a training step it is stale, after the sync its log-probs equal the trainer's, and
-a corrupted tensor shows. fp32 on both sides (no TF32 by default), so the tolerance is 2e-3."""
+a corrupted tensor shows. fp32 on both sides; TE runs fp32 GEMMs in TF32 regardless of torch's flags
+(cublaslt_gemm.cu, TE 2.x), which the tiny model's logits of order 1 keep well inside 2e-3."""
 
 from __future__ import annotations
 
@@ -31,4 +32,5 @@ def test_cuda_server_reloads_synced_weights(tmp_path: Path) -> None:
         assert r[f"{attempt}_before_sync"] > 10 * TOLERANCE, (attempt, r)
         assert r[f"{attempt}_after_sync"] <= TOLERANCE, (attempt, r)
     assert r["corrupted_after_sync"] > 10 * TOLERANCE, r
-    assert r["first_server"]["moe_layers_repacked"] == TINY_MOE["num_hidden_layers"]
+    # The CPU grouped-GEMM repack is CPU-only: GPU workers reload layer-wise (rollout/worker_ext.py).
+    assert r["first_server"]["moe_layers_repacked"] == 0

@@ -79,6 +79,6 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_hf_checkpoint(TINY_MOE, tmp_path_factory.mktemp("tiny_moe"), seed=0)
 
 
-def _memory_options(tiny_moe: Path, out: Path, nproc: int) -> dict:
-    torchrun("memory_options_worker.py", str(tiny_moe), str(out), nproc=nproc)
+def _memory_options(tiny_moe: Path, out: Path, nproc: int, cuda: bool = False) -> dict:
+    torchrun("memory_options_worker.py", str(tiny_moe), str(out), nproc=nproc, cuda=cuda)
     return json.loads(out.read_text())

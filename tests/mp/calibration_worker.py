@@ -1,0 +1,117 @@
+"""torchrun worker: the self-calibrating verification gate against a real server in bf16, on a model
+whose logits are as large as a real checkpoint's. Measures (1) the fixed bf16 bounds on a forced
+probe with the server's own load of the checkpoint (same weights), (2) the noise floor on sampled
+tokens, the gate it sets, then the gate after a correct sync, after a training step and sync, and
+after syncs that corrupt one tensor each (then a correct sync again).
+
+`torchrun --nproc-per-node 1 tests/mp/calibration_worker.py HF_DIR URL TOKEN_FILE OUT_JSON CORRUPT...`
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+from megatron_rl.megatron import cpu_compat  # noqa: E402
+
+cpu_compat.apply()   # explicit: before anything imports megatron-core
+
+from megatron_rl.config.schema import AlgorithmConfig, RolloutConfig, TrainerConfig  # noqa: E402
+from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
+from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.rollout.client import RolloutClient, SamplingSettings  # noqa: E402
+from megatron_rl.rollout.server import RolloutServer  # noqa: E402
+from megatron_rl.train import verification  # noqa: E402
+from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from megatron_rl.weights.sync import sync_weights  # noqa: E402
+from megatron_rl.weights.transport_engine import SharedSegmentTransport  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from layouts_worker import LAYOUTS, make_batch  # noqa: E402
+from verify_worker import SwapRowsTransport, probe, stats_of  # noqa: E402
+
+
+def sampled(client: RolloutClient | None, vocab: int) -> object:
+    """The calibrated probe: 4 prompts, each with what the server sampled (T = 1)."""
+    box: list = [None]
+    if client is not None:
+        g = torch.Generator().manual_seed(11)
+        prompts = [torch.randint(3, vocab, (9,), generator=g).tolist() for _ in range(4)]
+        settings = SamplingSettings(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=verification.PROBE_TOKENS)
+        responses = [group[0].response_ids for group in client.generate(prompts, settings)]
+        box[0] = verification.sampled_probe(prompts, responses, 9 + verification.PROBE_TOKENS, 0)
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None, "the server sampled too few tokens"
+    return box[0]
+
+
+def main() -> None:
+    hf_dir, url, token_file, out, *corrupt = sys.argv[1:]
+    dtype = torch.bfloat16
+    hf = read_hf_config(hf_dir)
+    layout = LAYOUTS["tp1"]
+    init_parallel(layout, seed=1)
+    handle = client = None
+    if dist.get_rank() == 0:
+        host, port = url.rsplit(":", 1)
+        handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
+                               token=Path(token_file).read_text(), port=int(port))
+        client = RolloutClient(url, handle.token, "policy", stop_token_ids=[])
+    actor = Actor(build_model_recipe(hf, layout, dtype), 2, Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
+    load_hf_into_model(actor.model, hf_dir)
+    actor.optimizer.reload_model_params()
+    adapter = adapter_for(hf)
+    result: dict = {"stats": list(verification.STATS)}
+    # (1) The fixed bounds, forced tokens, the server's own load (no sync: same weights).
+    forced = stats_of(actor, client, probe(hf["vocab_size"]))
+    result["forced_same_weights"] = forced
+    result["forced_fixed_failure"] = verification.failure(torch.tensor(forced), verification.LIMITS[dtype])
+    # (2) The calibrated gate: the floor on sampled tokens, same weights.
+    batch = sampled(client, hf["vocab_size"])
+    result["probe_tokens"] = int(batch.mask.sum())
+    floor = stats_of(actor, client, batch)
+    gate = verification.calibrate(torch.tensor(floor), dtype, None)
+    result["floor"], result["limits"] = floor, [gate.limits.mean, gate.limits.p90]
+    result["startup_failure"] = verification.failure(torch.tensor(floor),
+                                                     verification.startup_limits(dtype, None))
+    good = SharedSegmentTransport([handle]) if handle else None
+    bad = SwapRowsTransport([handle]) if handle else None
+    version = 1
+    sync_weights(actor.model, adapter, good, version, dtype)
+    result["synced"] = stats_of(actor, client, batch)
+    train = make_batch(hf["vocab_size"])
+    train.old_logprobs = actor.compute_logprobs(train, 1.0)
+    actor.train_step(train, AlgorithmConfig(), "grpo", 1.0, 0)
+    version += 1
+    sync_weights(actor.model, adapter, good, version, dtype)
+    result["trained"] = stats_of(actor, client, batch)
+    for name in corrupt:
+        if bad:
+            bad.corrupt = name
+        version += 1
+        sync_weights(actor.model, adapter, bad, version, dtype)
+        result[f"corrupted {name}"] = stats_of(actor, client, batch)
+        version += 1
+        sync_weights(actor.model, adapter, good, version, dtype)
+        result[f"restored after {name}"] = stats_of(actor, client, batch)
+    for key in [k for k in result if k.startswith(("synced", "trained", "corrupted", "restored"))]:
+        result[f"{key}_failure"] = verification.failure(torch.tensor(result[key]), gate.limits)
+    if good and bad:
+        good.close()
+        bad.close()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

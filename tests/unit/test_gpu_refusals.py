@@ -1,0 +1,110 @@
+"""What NCCL, CUDA IPC and the GPU build refuse at run time, `recipe validate` and `train --dry-run`
+refuse first, checked over every production recipe (gpu-readiness-audit-2 #6, #7, #8, #12):
+
+- `nccl` with colocated servers: trainer rank 0 and the node-0 server's first worker share GPU 0
+  in one NCCL group (NCCL: duplicate GPU);
+- `ipc` beyond one trainer node (the other nodes' GPUs are invisible to rank 0) or without
+  colocation;
+- LoRA/QLoRA with `sleep_level: 2` (the wake refills only the adapted tensors);
+- QLoRA on a GPU job (the TE spec's linears cannot hold an NF4 base; no QLoRA spec yet).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import main
+from megatron_rl.config import load_recipe
+from megatron_rl.lint import lint
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCTION = sorted(p for p in (REPO / "recipes").glob("qwen3_*/*.yaml") if p.name != "base.yaml")
+IDS = [f"{p.parent.name}/{p.stem}" for p in PRODUCTION]
+
+
+def errors(recipe: Path, *overrides: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for f in lint(load_recipe(recipe, list(overrides)), check_paths=False):
+        if f.level == "error":
+            out.setdefault(f.rule, []).append(f"{f.key}: {f.message}")
+    return out
+
+
+def test_every_production_recipe_is_listed() -> None:
+    assert {p.parent.name + "/" + p.stem for p in PRODUCTION} == {
+        f"qwen3_next_80b_a3b/{a}" for a in ("grpo", "gspo", "chord")} | {
+        f"qwen3_235b_a22b/{a}" for a in ("grpo", "gspo", "chord", "gspo_qlora")}
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_nccl_is_refused_exactly_with_colocated_servers(recipe: Path) -> None:
+    cfg = load_recipe(recipe)
+    got = errors(recipe, "rollout.weight_transfer=nccl").get("weight-transfer", [])
+    if cfg.rollout.placement == "colocated":
+        (msg,) = got
+        assert msg.startswith("rollout.weight_transfer: 'nccl' puts trainer rank 0") and "duplicate GPU" in msg
+    else:
+        assert got == []
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_ipc_is_refused_on_every_production_layout(recipe: Path) -> None:
+    cfg = load_recipe(recipe)
+    (msg,) = errors(recipe, "rollout.weight_transfer=ipc")["weight-transfer"]
+    if cfg.rollout.placement == "colocated":
+        assert f"all {cfg.parallelism.nodes} trainer nodes" in msg      # 8 nodes: 7 out of reach
+    else:
+        assert "needs placement 'colocated'" in msg
+
+
+def test_ipc_on_one_colocated_node_is_allowed() -> None:
+    recipe = REPO / "recipes/qwen3_next_80b_a3b/grpo.yaml"
+    assert "weight-transfer" not in errors(recipe, "rollout.weight_transfer=ipc", "parallelism.nodes=1")
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_lora_with_sleep_level_2_is_refused(recipe: Path) -> None:
+    lora = ("lora.rank=8", "lora.targets=[q,k,v,o]")
+    (msg,) = errors(recipe, *lora, "rollout.sleep_level=2")["lora-sleep"]
+    assert msg.startswith("rollout.sleep_level: 2 drops the servers' weights")
+    assert "lora-sleep" not in errors(recipe, *lora, "rollout.sleep_level=1")
+    assert "lora-sleep" not in errors(recipe, "lora.rank=0", "rollout.sleep_level=2")
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_qlora_is_refused_on_gpu_jobs_until_a_qlora_spec_exists(recipe: Path) -> None:
+    qlora = () if recipe.stem == "gspo_qlora" else ("lora.rank=8", "lora.targets=[q,k,v,o]",
+                                                     "lora.base_quantization=nf4")
+    (msg,) = errors(recipe, *qlora)["lora-base-quantization"]
+    assert "'nf4' on a GPU job" in msg and "Transformer-Engine" in msg
+    # The same recipe as a CPU job (the tiny QLoRA runs) is not refused by this rule.
+    assert "lora-base-quantization" not in errors(recipe, *qlora, "slurm.gpus_per_node=0")
+
+
+@pytest.mark.parametrize(("recipe", "override", "rule"), [
+    ("qwen3_next_80b_a3b/grpo.yaml", "rollout.weight_transfer=nccl", "[weight-transfer]"),
+    ("qwen3_next_80b_a3b/chord.yaml", "rollout.weight_transfer=ipc", "[weight-transfer]"),
+    ("qwen3_235b_a22b/gspo_qlora.yaml", "rollout.sleep_level=2", "[lora-sleep]"),
+    ("qwen3_235b_a22b/gspo_qlora.yaml", "lora.base_quantization=nf4", "[lora-base-quantization]"),
+])
+def test_dry_run_and_validate_refuse(capsys: pytest.CaptureFixture[str], recipe: str, override: str,
+                                     rule: str) -> None:
+    path = str(REPO / "recipes" / recipe)
+    assert main(["train", "--dry-run", path, override, "--no-check-paths"]) == 1
+    out = capsys.readouterr()
+    assert rule in out.out + out.err and "preflight failed" in out.out
+    assert main(["recipe", "validate", path, override, "--no-check-paths"]) != 0
+    out = capsys.readouterr()
+    assert rule in out.out + out.err
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_lora_on_experts_is_refused_on_gpu_jobs(recipe: Path) -> None:
+    """Found with this audit: TE's grouped-GEMM experts have no per-expert linears for adapters."""
+    experts = ("lora.rank=8", "lora.targets=[q,experts]", "parallelism.expert_tensor_parallel_size=1",
+               "lora.base_quantization=none")
+    got = errors(recipe, *experts).get("lora-targets", [])
+    assert any("'experts' on a GPU job" in m for m in got), got
+    assert not any("GPU job" in m for m in errors(recipe, *experts, "slurm.gpus_per_node=0").get("lora-targets", []))

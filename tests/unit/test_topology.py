@@ -1,0 +1,104 @@
+"""Topology as pure functions (`megatron_rl/topology.py`), over every production recipe: who joins
+the `nccl` weight-transfer group on which GPU, which GPUs each data-parallel engine of a server uses
+(the CUDA IPC handles it needs), and where rank 0's rendezvous address comes from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import load_recipe
+from megatron_rl.slurm.render import total_nodes
+from megatron_rl.topology import duplicate_gpus, engine_devices, ipc_devices, nccl_weight_group, server_nodes
+from megatron_rl.weights.transport_gpu import master_address
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCTION = sorted(p for p in (REPO / "recipes").glob("qwen3_*/*.yaml") if p.name != "base.yaml")
+IDS = [f"{p.parent.name}/{p.stem}" for p in PRODUCTION]
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_nccl_group_of_each_production_layout(recipe: Path) -> None:
+    cfg = load_recipe(recipe)
+    r = cfg.rollout
+    members = nccl_weight_group(cfg)
+    per_server = r.tensor_parallel_size * r.data_parallel_size
+    servers = server_nodes(cfg)
+    assert len(servers) == (cfg.parallelism.nodes if r.placement == "colocated" else r.nodes)
+    assert [m.rank for m in members] == list(range(1 + len(servers) * per_server))
+    assert members[0] == type(members[0])(0, 0, 0, "trainer rank 0")
+    for k, node in enumerate(servers):                  # server k's workers from rank_offset 1 + k · size
+        mine = members[1 + k * per_server:1 + (k + 1) * per_server]
+        assert {m.node for m in mine} == {node} and [m.gpu for m in mine] == list(range(per_server))
+        assert all(m.role.startswith(f"server {k} ") for m in mine)
+    assert max(m.node for m in members) < total_nodes(cfg)                  # the nodes the job allocates
+    assert max(m.gpu for m in members) < cfg.parallelism.gpus_per_node
+    shared = duplicate_gpus(members)
+    if r.placement == "colocated":
+        # Only rank 0 of the trainer joins; it shares GPU 0 of node 0 with server 0's first worker.
+        assert [[m.role for m in g] for g in shared] == [["trainer rank 0", "server 0 engine 0 worker 0"]]
+    else:
+        assert shared == []
+
+
+def test_engine_devices_follow_vllms_dp_slices() -> None:
+    gpus = list(range(8))
+    assert engine_devices(gpus, 4, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]           # 235B servers: TP 4 × DP 2
+    assert engine_devices(gpus, 2, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]       # 80B servers: TP 2 × DP 4
+    assert engine_devices(["a", "b", "c"], 1, 2) == [["a"], ["b"]]
+    with pytest.raises(ValueError, match="do not fit"):
+        engine_devices(gpus, 4, 4)
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_ipc_handles_cover_every_engine_of_a_server(recipe: Path) -> None:
+    """/collective_rpc under DP > 1 reports engine 0's GPUs only; the handles must reach all."""
+    r = load_recipe(recipe).rollout
+    uuids = [f"GPU-{i}" for i in range(8)]
+    reported = uuids[:r.tensor_parallel_size]
+    got = ipc_devices(uuids, r.tensor_parallel_size * r.data_parallel_size, reported)
+    assert got == uuids[:r.tensor_parallel_size * r.data_parallel_size] and len(got) == 8
+    with pytest.raises(ValueError, match="different GPUs"):
+        ipc_devices(uuids, 8, uuids[1:1 + r.tensor_parallel_size])
+
+
+def test_rendezvous_address_is_routed_not_the_hostname() -> None:
+    assert master_address(["127.0.0.1", "localhost"]) == "127.0.0.1"
+    # A remote server gets this host's address on the route to it (here a loopback alias: 127.0.0.1).
+    assert master_address(["localhost", "127.0.0.2"]) == "127.0.0.1"
+
+
+def test_nccl_parts_are_coalesced_into_buckets() -> None:
+    from megatron_rl.weights.transport_gpu import coalesce
+
+    mib = 1 << 20
+    assert coalesce([32 * mib] * 5, 64 * mib) == [[0, 1], [2, 3], [4]]
+    assert coalesce([600 * mib, 10, 10], 512 * mib) == [[0], [1, 2]]        # a large part goes alone
+    assert coalesce([], 512 * mib) == []
+    # An 80B sync: ~160 GB in ~32 MiB gather parts → ~5,000 rounds, 512 MiB buckets → ~300.
+    parts = [32 * mib] * 5000
+    assert len(coalesce(parts, 512 * mib)) == -(-5000 * 32 // 512) == 313
+
+
+def test_gpu_transport_holds_parts_until_a_bucket_is_full() -> None:
+    """The buffering of `_GpuTransport` (the send itself needs CUDA: recorded here)."""
+    import torch
+
+    from megatron_rl.weights.transport_gpu import _GpuTransport
+
+    class Recording(_GpuTransport):
+        def __init__(self) -> None:
+            super().__init__([], torch.device("cuda", 0), bucket_bytes=1000)
+            self.buckets: list[list[str]] = []
+
+        def _send(self, tensors: dict[str, torch.Tensor]) -> None:
+            self.buckets.append(list(tensors))
+            self.sent += list(tensors)
+
+    t = Recording()
+    for i in range(5):
+        t.send_bucket({f"w{i}": torch.zeros(100)})                            # 400 bytes each
+    assert t.buckets == [["w0", "w1", "w2"]] and list(t.pending) == ["w3", "w4"]
+    t.flush()                                                                  # what finish() does first
+    assert t.buckets == [["w0", "w1", "w2"], ["w3", "w4"]] and t.pending == {}
