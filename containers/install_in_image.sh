@@ -38,7 +38,10 @@ if [[ "$final_torch" != "$base_torch" ]]; then
 fi
 echo "torch==${final_torch}" > "$REQ/torch-constraint.txt"
 echo "[image] 2/4 Transformer Engine and fla against torch $final_torch (no build isolation) ..."
-PIP_CONSTRAINT="" "${pip[@]}" --no-build-isolation -c "$REQ/torch-constraint.txt" -r "$REQ/gpu-late-requirements.txt"
+# NVTE_PYTORCH_FORCE_BUILD: on an NGC base TE's setup first fetches a prebuilt extension named for
+# the base's own torch, which step 1 may have replaced; build against the torch that is installed.
+NVTE_PYTORCH_FORCE_BUILD=TRUE PIP_CONSTRAINT="" "${pip[@]}" --no-build-isolation -c "$REQ/torch-constraint.txt" \
+    -r "$REQ/gpu-late-requirements.txt"
 echo "[image] 3/4 megatron-core (--no-deps: its metadata asks for a newer Python than some bases have) ..."
 "${pip[@]}" --no-deps --ignore-requires-python -r "$REQ/nodeps-requirements.txt"
 echo "[image] 4/4 megatron-rl (editable: the sbatch template in slurm/ and the recipes stay beside the code) ..."

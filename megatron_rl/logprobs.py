@@ -187,8 +187,15 @@ def _te_target_logprobs(
         # up to ~0.05 nat at |z| ~ 20). Also a fresh buffer, which some TE versions overwrite with
         # the gradient: out of place, since .float() of fp32 logits is the logits themselves (a
         # leaf that requires grad in the tests, the caller's tensor otherwise).
-        tempered = logits.float() / temperature
+        # One fp32 copy: bf16 logits are converted (a new tensor, divided in place); fp32 ones divided
+        # into a new tensor.
+        tempered = logits.float()
+        tempered = tempered / temperature if tempered is logits else tempered.div_(temperature)
         nll = parallel_cross_entropy(tempered.unsqueeze(0), target.unsqueeze(0), 0.0, False, group)
+    except (torch.OutOfMemoryError, dist.DistError):
+        # Not deterministic across ranks: one TP rank falling back to the torch path's all-reduces
+        # while its peers wait in TE's all-gather would hang or mix collectives. Fail loudly instead.
+        raise
     except Exception as err:   # noqa: BLE001 - TE's shape asserts, a Triton compile error under a newer
         # torch's Triton, a missing kernel: deterministic, so raised alike on every rank and all fall back together
         _te_disabled = True

@@ -4,8 +4,8 @@ production recipe; `lint.py` and the GPU weight transports use them).
 Node numbering follows the sbatch script: trainer nodes 0 … P−1 (torchrun places a node's ranks
 contiguously, LOCAL_RANK = GPU index), then the rollout nodes of a disaggregated layout. A server
 takes the first TP × PP × DP GPUs its node shows it (no CUDA_VISIBLE_DEVICES of ours), data-parallel
-engine k of them the devices k·W … k·W + W − 1 with W = TP × PP (vLLM 0.32.0,
-`get_physical_gpu_ids_for_local_dp_rank`, vllm/v1/engine/utils.py).
+engine k of them the devices k·W … k·W + W − 1 with W = TP × PP (vLLM 0.32.0 on CUDA: the worker's
+local rank is offset by dp_local_rank × TP × PCP × PP, vllm/v1/worker/gpu_worker.py:441-459).
 """
 
 from __future__ import annotations

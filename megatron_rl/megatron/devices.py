@@ -3,10 +3,11 @@
 On GPU each rank is bound to `cuda:$LOCAL_RANK` before anything touches CUDA: megatron-core, TE and
 NCCL all allocate on the *current* device, so without the binding every rank of a node would
 build its model on GPU 0. The world group is `cpu:gloo,cuda:nccl`: CUDA tensors go over NCCL,
-while CPU tensors, object collectives and barriers go over gloo. That lets small control
-collectives (the stop flag, verification statistics) stay on the CPU, and it lets ranks that wait
-for rank 0 (starting vLLM, generating) block in a gloo call instead of spinning an NCCL kernel on
-a GPU that a colocated vLLM is using.
+while CPU tensors and object collectives go over gloo. That lets small control collectives (the
+stop flag, verification statistics) stay on the CPU, and it lets ranks that wait for rank 0
+(starting vLLM, generating) block in a gloo call on a CPU tensor instead of spinning an NCCL kernel
+on a GPU that a colocated vLLM is using. `dist.barrier()` itself is an NCCL all-reduce once the
+group has a bound device (`device_id`): use it only where the wait is short.
 """
 
 from __future__ import annotations

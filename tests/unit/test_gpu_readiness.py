@@ -126,6 +126,29 @@ def test_te_logprobs_fall_back_on_any_kernel_error(monkeypatch: pytest.MonkeyPat
     assert logprobs._te_disabled
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), torch.distributed.DistError("NCCL")],
+                         ids=["oom", "collective"])
+def test_te_logprobs_do_not_fall_back_on_errors_that_differ_between_ranks(monkeypatch: pytest.MonkeyPatch,
+                                                                          error: Exception) -> None:
+    """gpu-readiness audit 3 N1: an OOM (or a failed collective) can hit one TP rank only; falling
+    back there alone would pair the torch path's all-reduces with TE's all-gather on the others. It
+    is raised, and TE stays enabled."""
+    from megatron_rl import logprobs
+
+    def parallel_cross_entropy(*args: Any) -> torch.Tensor:
+        raise error
+
+    for name in ("transformer_engine", "transformer_engine.pytorch"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    ce = types.ModuleType("transformer_engine.pytorch.cross_entropy")
+    ce.parallel_cross_entropy = parallel_cross_entropy  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.cross_entropy", ce)
+    monkeypatch.setattr(logprobs, "_te_disabled", False)
+    with pytest.raises(type(error)):
+        logprobs._te_target_logprobs(torch.randn(4, 10), torch.randint(0, 10, (4,)), 1.0, None)
+    assert not logprobs._te_disabled
+
+
 def test_packed_nccl_broadcast_waits_for_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """Audit-2 #11: vLLM's packed producer packs on side streams without waiting for the current
     one, where the gathered tensors were written; the sender synchronises it first. Streams and the
