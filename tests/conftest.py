@@ -15,7 +15,12 @@ import pytest
 
 from megatron_rl.console import KNOWN_WARNINGS, quiet_third_party
 from tests.helpers.models import tiny, tiny_moe  # noqa: F401  (fixtures of the unit and integration tiers)
-from tests.helpers.servers import demo_server, demo_servers_dir, demo_weights_server  # noqa: F401  (the shared server)
+from tests.helpers.servers import (  # noqa: F401  (the shared rollout server)
+    demo_server,
+    demo_servers_dir,
+    demo_weights_server,
+    demo_weights_servers_dir,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "integration", "e2e", "gpu")

@@ -67,6 +67,13 @@ def demo_weights_server(demo_server: RolloutServer, tmp_path: Path) -> RolloutSe
     return demo_server
 
 
+@pytest.fixture
+def demo_weights_servers_dir(demo_weights_server: RolloutServer) -> Path:
+    """`demo_servers_dir` for runs that rely on the server holding the base checkpoint (LoRA syncs
+    send only the adapted tensors, as from a server started on the base)."""
+    return Path(demo_weights_server.run_dir).parent
+
+
 def train_env(servers_dir: Path, **extra: str) -> dict[str, str]:
     """The environment of a trainer run that attaches to the servers in `servers_dir`."""
     return dict(os.environ, OMP_NUM_THREADS="1", **{EXTERNAL_SERVERS_ENV: str(servers_dir)}, **extra)
