@@ -7,11 +7,15 @@ Rewards come as ``[num_groups * G]`` (each prompt's G samples contiguous) or as
 * ``dr_grpo``: A = r − mean_g  (Dr.GRPO drops the std division, which otherwise
   up-weights prompts that are nearly always solved or nearly always failed)
 
-std is the POPULATION standard deviation (divide by G, ``unbiased=False``): it is
-the spread of this finite group, not an estimate of a wider population, so the
-normalized group has exactly zero mean and unit variance and the formula is
-defined for G = 1. Bessel's correction (verl/TRL) would shrink advantages by
-sqrt((G−1)/G), e.g. 0.935 for G = 8 — a global rescale absorbed by the step size.
+std is by default the POPULATION standard deviation (divide by G, ``unbiased=False``):
+it is the spread of this finite group, not an estimate of a wider population, so the
+normalized group has exactly zero mean and unit variance and the formula is defined
+for G = 1. ``unbiased=True`` is Bessel's correction, torch.std's default and the one
+ms-swift (``(r − mean) / (std + 1e-4)``, ``_compute_advantages``), TRL and verl use: it
+shrinks advantages by sqrt((G−1)/G), ×0.707 at G = 2, ×0.968 at G = 16. A global
+rescale only to a first approximation: it moves the policy term against the KL and
+SFT terms and against the gradient clip, so recipes that reproduce ms-swift runs
+choose it (``algorithm.advantage_std: unbiased``, ``advantage_eps: 1e-4``).
 
 A group whose rewards are all equal carries no learning signal: its advantages are
 exactly 0 (set explicitly, not left to rounding of r − mean). Such groups are
@@ -30,19 +34,22 @@ from torch import Tensor
 
 from megatron_rl.objectives.registry import Registry
 
-# An estimator maps grouped rewards [num_groups, G] and eps to advantages [num_groups, G].
-AdvantageEstimator = Callable[[Tensor, float], Tensor]
+# An estimator maps grouped rewards [num_groups, G], eps and whether the std is unbiased to
+# advantages [num_groups, G].
+AdvantageEstimator = Callable[[Tensor, float, bool], Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
-def _grpo(grouped: Tensor, eps: float) -> Tensor:
+def _grpo(grouped: Tensor, eps: float, unbiased: bool) -> Tensor:
     centered = grouped - grouped.mean(dim=-1, keepdim=True)
-    return centered / (grouped.std(dim=-1, unbiased=False, keepdim=True) + eps)
+    if unbiased and grouped.shape[-1] < 2:
+        return torch.zeros_like(grouped)       # one sample has no spread (and every G-1 std is NaN)
+    return centered / (grouped.std(dim=-1, unbiased=unbiased, keepdim=True) + eps)
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
-def _dr_grpo(grouped: Tensor, eps: float) -> Tensor:
+def _dr_grpo(grouped: Tensor, eps: float, unbiased: bool) -> Tensor:
     return grouped - grouped.mean(dim=-1, keepdim=True)
 
 
@@ -84,6 +91,7 @@ def compute_advantages(
     estimator: str = "grpo",
     eps: float = 1e-6,
     drop_zero_variance: bool = False,
+    unbiased: bool = False,
 ) -> AdvantageResult:
     """Group-normalized advantages of ``rewards`` with the named ``estimator``.
 
@@ -95,7 +103,7 @@ def compute_advantages(
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     grouped = group_rewards(rewards, group_size).detach().to(torch.float64)
     zero_var = grouped.amax(dim=-1) == grouped.amin(dim=-1)
-    adv = estimate(grouped, eps).masked_fill(zero_var.unsqueeze(-1), 0.0)
+    adv = estimate(grouped, eps, unbiased).masked_fill(zero_var.unsqueeze(-1), 0.0)
     num_zero = int(zero_var.sum())
     keep = None
     if drop_zero_variance:

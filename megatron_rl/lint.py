@@ -59,10 +59,16 @@ def data_parallel_size(cfg: RecipeConfig) -> int:
 
 @rule("gspo-never-clips")
 def _gspo_spg(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    # A warning, not an error: article 000's QLoRA run was exactly this (ms-swift's transformers
+    # trainer counts steps_per_generation 2 in micro-steps of gradient accumulation 4, so each
+    # optimizer step trained on completions of its own weights), and recipes/qwen3_235b_a22b/
+    # gspo_qlora.yaml reproduces it.
     if rl_objective(cfg) in SEQUENCE_RATIO_OBJECTIVES and cfg.algorithm.steps_per_generation == 1:
-        return [Finding("error", "gspo-never-clips", "algorithm.steps_per_generation",
-                        "GSPO with steps_per_generation 1 is on-policy: the sequence ratio is always 1 "
-                        "and the clip never acts; use >= 2 (the published setup uses 3)")]
+        return [Finding("warning", "gspo-never-clips", "algorithm.steps_per_generation",
+                        "GSPO with steps_per_generation 1 is on-policy: the sequence ratio is always 1, "
+                        "the clip never acts and the gradient is GRPO's (sequence-mean). That is what article "
+                        "000's QLoRA run did (ms-swift: steps_per_generation 2 micro-steps within gradient "
+                        "accumulation 4); use >= 2 for GSPO's clipping (article 001's GSPO uses 3)")]
     return []
 
 
@@ -330,7 +336,7 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     lo, out = cfg.lora, []
     defaults = type(lo)()
     if lo.rank == 0:
-        changed = [k for k in ("alpha", "targets") if getattr(lo, k) != getattr(defaults, k)]
+        changed = [k for k in ("alpha", "targets", "dropout") if getattr(lo, k) != getattr(defaults, k)]
         if changed:
             out.append(Finding("warning", "lora-targets", f"lora.{changed[0]}",
                                f"lora.{', lora.'.join(changed)} set but lora.rank is 0: the full model trains"))
@@ -358,6 +364,27 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
                            "GEMM, which has no per-expert linears for adapters; use q, k, v, o (CPU jobs: "
                            "slurm.gpus_per_node 0)"))
     return out
+
+
+@rule("thinking-budget")
+def _thinking_budget(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    """A template that starts the answer in a thinking block needs room to close it."""
+    from .data.thinking import MIN_THINKING_BUDGET, THINKING_MODES, thinking_mode
+
+    r, m = cfg.rollout, cfg.model
+    if r.max_response_length >= MIN_THINKING_BUDGET:
+        return []
+    where = m.tokenizer or m.init_checkpoint
+    mode, how = thinking_mode(where, r.chat_template_kwargs)
+    if mode not in THINKING_MODES:
+        return []
+    opener = "the prompt opens <think>" if mode == "opens" else \
+        "the model opens <think> itself (enable_thinking is not false)"
+    return [Finding("warning", "thinking-budget", "rollout.max_response_length",
+                    f"{r.max_response_length} tokens, but the chat template of {where} starts every answer in a "
+                    f"thinking block (judged by {how}: {opener}); under {MIN_THINKING_BUDGET} tokens most "
+                    "completions end inside it, before any answer. Use a non-thinking checkpoint (Instruct-2507), "
+                    "set rollout.chat_template_kwargs: {enable_thinking: false}, or raise max_response_length")]
 
 
 @rule("reward-names")

@@ -26,9 +26,19 @@ def _error(rule: str, key: str, message: str) -> Finding:
     return Finding("error", rule, key, message)
 
 
-def _prompt_lengths(records: list[Any], tokenizer: Any) -> list[int]:
-    return [len(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"]) for r in records]
+def _prompt_lengths(cfg: RecipeConfig, records: list[Any], tokenizer: Any) -> list[int]:
+    """Each prompt's tokens as the trainer renders it: the task's prompt format, the recipe's
+    chat-template variables."""
+    from .data.prompts import prompt_token_ids
+    from .tasks import load_task_spec
+    from .tasks.plugins import PluginError
+    from .tasks.task import stored_messages
+
+    try:
+        prompt = load_task_spec(cfg.task).prompt
+    except PluginError:                 # lint's reward-names has reported it
+        prompt = stored_messages
+    return [len(prompt_token_ids(tokenizer, prompt(r), cfg.rollout.chat_template_kwargs)) for r in records]
 
 
 def data_findings(cfg: RecipeConfig) -> list[Finding]:
@@ -57,7 +67,7 @@ def data_findings(cfg: RecipeConfig) -> list[Finding]:
     except ModelConfigError as exc:
         return [_error("data", "model.init_checkpoint", str(exc))]
 
-    lengths = _prompt_lengths(train, AutoTokenizer.from_pretrained(tokenizer_dir))
+    lengths = _prompt_lengths(cfg, train, AutoTokenizer.from_pretrained(tokenizer_dir))
     kept = sum(n <= r.max_prompt_length for n in lengths)
     per_step = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation // r.n
     if kept < per_step:

@@ -21,6 +21,7 @@ from tests.helpers.servers import (  # noqa: F401  (the shared rollout server)
     demo_weights_server,
     demo_weights_servers_dir,
 )
+from tests.helpers.slurm import slurm  # noqa: F401  (the session's one-node Slurm)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "integration", "e2e", "gpu")

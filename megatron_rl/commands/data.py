@@ -1,4 +1,4 @@
-"""`megatron-rl data prepare igakuqa|medmcqa ...`: write RL prompt and SFT JSONL files.
+"""`megatron-rl data prepare igakuqa|medmcqa|medxpertqa|chord-sft ...`: write prompt and SFT JSONL files.
 
 Only argparse is imported at module level; the data modules load when the command runs, and none
 of them imports torch.
@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="evaluation years (default: 2022)")
     igaku.add_argument("--train-text-only", action="store_true",
                        help="leave questions whose image is missing out of training")
+    igaku.add_argument("--system-prompt", default=None,
+                       help="system message of every prompt (default: the project's Japanese one; '' = none, "
+                            "as ms-swift's Qwen3 templates add none)")
     _add_on_malformed(igaku)
     igaku.set_defaults(func=run_igakuqa)
 
@@ -49,10 +52,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     med.add_argument("--src", required=True, help="MedMCQA JSONL file")
     med.add_argument("--out", required=True, help="output directory")
     med.add_argument("--split", default="train", help="name used in the output file names")
-    med.add_argument("--cop-base", type=int, choices=(0, 1), default=1,
-                     help="1 for the original release (cop 1-4), 0 for the HF copy (0-3)")
+    med.add_argument("--cop-base", choices=("auto", "0", "1"), default="auto",
+                     help="auto (default): read it from the file's cop values (a 0 = the HF copy's 0-3, a 4 = "
+                          "the original 1-4; a file with neither is refused); or 1 / 0 to say it")
+    med.add_argument("--limit", type=_positive, default=None,
+                     help="only the first N questions, in file order (article 000: train[:1000] = --limit 1000)")
+    med.add_argument("--style", choices=("project", "article000"), default="project",
+                     help="prompt wording: the project's [ans] format (default), or article 000's system "
+                          "prompt verbatim with options A-D")
     _add_on_malformed(med)
     med.set_defaults(func=run_medmcqa)
+
+    mx = sources.add_parser("medxpertqa", help="MedXpertQA (English expert-level MCQ, options A-J): eval prompts")
+    mx.add_argument("--src", required=True, help="MedXpertQA JSONL file (e.g. Text/test.jsonl)")
+    mx.add_argument("--out", required=True, help="output directory")
+    mx.add_argument("--split", default="test", help="name used in the output file names")
+    mx.add_argument("--limit", type=_positive, default=None, help="only the first N questions")
+    _add_on_malformed(mx)
+    mx.set_defaults(func=run_medxpertqa)
+
+    chord = sources.add_parser("chord-sft", help="CHORD expert rows from expert texts (question + parts)",
+                               description="Build data.sft_path rows from a JSONL of expert texts "
+                                           "({id, question, sections: [{title, text}, ...]} or {id, question, "
+                                           "response}; the format is in megatron_rl/data/chord_sft.py).")
+    chord.add_argument("--src", required=True, help="expert-text JSONL file")
+    chord.add_argument("--out", required=True, help="output directory (writes chord_sft.jsonl)")
+    chord.add_argument("--parts", type=_positive, default=None,
+                       help="require exactly N sections per text (article 001's texts: 5)")
+    chord.add_argument("--system-prompt", default="", help="system message of every row (default: none)")
+    chord.add_argument("--exclude", action="append", default=[], metavar="PROMPTS_JSONL",
+                       help="leave out texts whose question is a prompt of this file (e.g. the eval set); repeatable")
+    chord.add_argument("--limit", type=_positive, default=None, help="only the first N rows")
+    _add_on_malformed(chord)
+    chord.set_defaults(func=run_chord_sft)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _add_on_malformed(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +99,8 @@ def _add_on_malformed(parser: argparse.ArgumentParser) -> None:
 
 
 def _report(result: PrepareResult) -> int:
+    if "cop_base_from" in result.notes:
+        print(f"cop base {result.notes['cop_base']} ({result.notes['cop_base_from']})")
     for name, count in result.counts.items():
         print(f"{result.files[name]}: {count} records")
     for reason, count in sorted(result.excluded.items()):
@@ -77,7 +117,7 @@ def run_igakuqa(args: argparse.Namespace) -> int:
     try:
         result = prepare_igakuqa(args.src, args.out, train_years=args.years,
                                  eval_years=args.eval_years, on_malformed=args.on_malformed,
-                                 train_text_only=args.train_text_only)
+                                 train_text_only=args.train_text_only, system_prompt=args.system_prompt)
     except (DataError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -89,8 +129,35 @@ def run_medmcqa(args: argparse.Namespace) -> int:
     from megatron_rl.data.schema import DataError
 
     try:
-        result = prepare_medmcqa(args.src, args.out, split=args.split, cop_base=args.cop_base,
-                                 on_malformed=args.on_malformed)
+        cop_base = args.cop_base if args.cop_base == "auto" else int(args.cop_base)
+        result = prepare_medmcqa(args.src, args.out, split=args.split, cop_base=cop_base, limit=args.limit,
+                                 style=args.style, on_malformed=args.on_malformed)
+    except (DataError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return _report(result)
+
+
+def run_medxpertqa(args: argparse.Namespace) -> int:
+    from megatron_rl.data.prepare import prepare_medxpertqa
+    from megatron_rl.data.schema import DataError
+
+    try:
+        result = prepare_medxpertqa(args.src, args.out, split=args.split, limit=args.limit,
+                                    on_malformed=args.on_malformed)
+    except (DataError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return _report(result)
+
+
+def run_chord_sft(args: argparse.Namespace) -> int:
+    from megatron_rl.data.prepare import prepare_chord_sft
+    from megatron_rl.data.schema import DataError
+
+    try:
+        result = prepare_chord_sft(args.src, args.out, parts=args.parts, system_prompt=args.system_prompt,
+                                   exclude=args.exclude, limit=args.limit, on_malformed=args.on_malformed)
     except (DataError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,7 +1,9 @@
-"""`megatron-rl eval igakuqa|compare|table ...`: score predictions, compare two systems.
+"""`megatron-rl eval igakuqa|mcq|compare|table|generate ...`: generate and score predictions, compare systems.
 
 `eval igakuqa --pred FILE_OR_DIR --gold DIR [--system NAME] [--rule R] [--json]` prints the report
-as markdown tables (or JSON). `eval table LABEL=PATH... --gold DIR [--baseline LABEL] [--out DIR]`
+as markdown tables (or JSON). `eval mcq --pred FILE --gold PROMPTS [--by KEYS] [--json]` scores
+single-answer MCQ predictions (MedXpertQA, MedMCQA: `megatron_rl.eval.mcq`).
+`eval table LABEL=PATH... --gold DIR [--baseline LABEL] [--out DIR]`
 renders several systems in the published layouts (`megatron_rl.eval.table`).
 `eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR] [--json]` prints McNemar
 tables and, with --out, writes compare.md, compare.json and category_delta.png there. Bad input
@@ -56,11 +58,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_rule(table)
     table.set_defaults(func=run_table)
 
-    gen = verbs.add_parser("generate", help="raw-output predictions from a model via the rollout server")
-    gen.add_argument("--model", required=True, help="HF model directory (with tokenizer)")
+    mcq = verbs.add_parser("mcq", help="accuracy of single-answer MCQ predictions (MedXpertQA, MedMCQA)",
+                           description="Score `eval generate` output against the prompt file it was generated "
+                                       "from: the [ans] tag or an explicit answer statement, with the question's "
+                                       "own option letters (megatron_rl/eval/mcq.py).")
+    mcq.add_argument("--pred", required=True, help="predictions JSONL ({problem_id, output}, from `eval generate`)")
+    mcq.add_argument("--gold", required=True, help="the prompt JSONL (from `data prepare medxpertqa|medmcqa`)")
+    mcq.add_argument("--by", default="", help="comma-separated metadata keys to break accuracy down by "
+                                              "(MedXpertQA: medical_task,body_system,question_type)")
+    mcq.add_argument("--parse", choices=("strict", "flexible"), default="flexible",
+                     help="answer statements read: strict = explicit ones only; flexible (default) adds "
+                          "'answer is X', 'option X' and a letter alone on the last line")
+    mcq.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    mcq.set_defaults(func=run_mcq)
+
+    gen = verbs.add_parser("generate", help="raw-output predictions from a model via a rollout server",
+                           description="Start one vLLM server on this node (TP × DP GPUs, as the recipe's "
+                                       "rollout servers are, or --tp/--dp), generate one answer per prompt and "
+                                       "write {problem_id, output} lines; OUT.meta.json records the decoding "
+                                       "settings and the server shape.")
+    gen.add_argument("--model", required=True, help="HF model directory (with tokenizer): e.g. a run's HF export")
     gen.add_argument("--prompts", required=True, help="prompt JSONL (e.g. from `data prepare`)")
     gen.add_argument("--out", required=True, help="output JSONL of {problem_id, output}")
-    gen.add_argument("--max-tokens", type=int, default=512, help="generated tokens per answer")
+    gen.add_argument("--recipe", default=None,
+                     help="take the server shape (rollout.tensor_parallel_size, data_parallel_size, "
+                          "enable_expert_parallel, dtype, gpu_memory_utilization) and the chat-template "
+                          "variables from this recipe")
+    gen.add_argument("--tp", type=int, default=None, help="vLLM tensor-parallel size (overrides the recipe)")
+    gen.add_argument("--dp", type=int, default=None, help="vLLM data-parallel size (overrides the recipe)")
+    gen.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction, default=None,
+                     help="vLLM expert parallelism over TP × DP (default: the recipe's, else off)")
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="generated tokens per answer (default: the recipe's rollout.max_response_length, else 512)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    gen.add_argument("--top-k", type=int, default=-1, help="top-k sampling when --temperature > 0 (-1 = off)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
+    gen.add_argument("--thinking", choices=("on", "off"), default=None,
+                     help="set the chat template's enable_thinking (Qwen3 hybrid checkpoints)")
+    gen.add_argument("--chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
+                     help="chat-template variables, e.g. '{\"enable_thinking\": false}' (over the recipe's)")
     gen.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     gen.add_argument("--run-dir", default="runs/eval-generate", help="server log, address and token")
     gen.set_defaults(func=run_generate)
@@ -100,19 +137,80 @@ def run_igakuqa(args: argparse.Namespace) -> int:
     return 0
 
 
+def generate_settings(args: argparse.Namespace) -> tuple[Any, Any] | None:
+    """(RolloutConfig, Decoding) from the recipe and the flags; None after printing why not."""
+    import dataclasses
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.predict import Decoding
+
+    from .recipe import load_or_report
+
+    rollout, kwargs, max_tokens = RolloutConfig(enforce_eager=True), {}, 512
+    if args.recipe:
+        cfg = load_or_report(args.recipe, [])
+        if cfg is None:
+            return None
+        rollout, kwargs = cfg.rollout, dict(cfg.rollout.chat_template_kwargs)
+        max_tokens = cfg.rollout.max_response_length
+    shape = {k: v for k, v in (("tensor_parallel_size", args.tp), ("data_parallel_size", args.dp),
+                               ("enable_expert_parallel", args.expert_parallel)) if v is not None}
+    for key, value in shape.items():
+        if key != "enable_expert_parallel" and value < 1:
+            print(f"error: --{'tp' if key.startswith('tensor') else 'dp'} must be >= 1, got {value}", file=sys.stderr)
+            return None
+    rollout = dataclasses.replace(rollout, **shape, port=0)
+    if args.chat_template_kwargs is not None:
+        if not isinstance(args.chat_template_kwargs, dict):
+            print("error: --chat-template-kwargs must be a JSON object", file=sys.stderr)
+            return None
+        kwargs.update(args.chat_template_kwargs)
+    if args.thinking is not None:
+        kwargs["enable_thinking"] = args.thinking == "on"
+    decoding = Decoding(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_tokens or max_tokens, seed=args.seed, chat_template_kwargs=kwargs)
+    return rollout, decoding
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megatron_rl.data.schema import DataError
-    from megatron_rl.rollout.predict import predict
+    from megatron_rl.rollout.predict import meta_path, predict
     from megatron_rl.rollout.server import ServerError
 
+    settings = generate_settings(args)
+    if settings is None:
+        return 1
+    rollout, decoding = settings
     try:
-        n = predict(args.model, args.prompts, Path(args.out), Path(args.run_dir), args.max_tokens, args.limit)
+        n = predict(args.model, args.prompts, Path(args.out), Path(args.run_dir), decoding, args.limit, rollout,
+                    recipe=args.recipe)
     except (DataError, ServerError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {n} predictions to {args.out}")
+    greedy = "greedy" if decoding.temperature == 0 else \
+        f"T {decoding.temperature:g}, top_p {decoding.top_p:g}, top_k {decoding.top_k}"
+    print(f"wrote {n} predictions to {args.out} ({greedy}, {decoding.max_tokens} tokens, server TP "
+          f"{rollout.tensor_parallel_size} × DP {rollout.data_parallel_size}; settings in {meta_path(Path(args.out))})")
+    return 0
+
+
+def run_mcq(args: argparse.Namespace) -> int:
+    from megatron_rl.data.schema import DataError, read_prompts
+    from megatron_rl.eval.mcq import read_outputs, render_markdown, score_mcq
+
+    try:
+        prompts = read_prompts(args.gold)
+        report = score_mcq(prompts, read_outputs(args.pred), [k for k in args.by.split(",") if k.strip()],
+                           args.parse)
+    except (DataError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(report)
+    else:
+        sys.stdout.write(render_markdown(report))
     return 0
 
 

@@ -36,6 +36,20 @@ def load_or_report(path: str, overrides: list[str]) -> RecipeConfig | None:
         return None
 
 
+def schedule_comment(cfg: RecipeConfig) -> str:
+    """What the counts mean, as YAML comments after the resolved recipe (`megatron_rl.schedule`)."""
+    from ..schedule import run_schedule
+
+    schedule = run_schedule(cfg)
+    if schedule is None:
+        per_rollout = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation // cfg.rollout.n
+        lines = [f"{cfg.algorithm.steps_per_generation} optimizer update(s) per rollout of {per_rollout} prompts; "
+                 f"rollout steps = epochs {cfg.trainer.epochs} × ⌈prompts / {per_rollout}⌉ (the prompt file decides)"]
+    else:
+        lines = schedule.lines()
+    return "".join(f"# {line}\n" for line in ["schedule:", *lines])
+
+
 def run(args: argparse.Namespace) -> int:
     from ..config import dump_yaml
     from ..lint import lint
@@ -45,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.verb == "show":
         sys.stdout.write(dump_yaml(cfg))
+        sys.stdout.write(schedule_comment(cfg))
         return 0
     findings = lint(cfg, check_paths=not args.no_check_paths)
     errors = [f for f in findings if f.level == "error"]

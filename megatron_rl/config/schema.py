@@ -110,6 +110,12 @@ class RolloutConfig:
     """Prompts longer than this many tokens are dropped (and counted)."""
     max_response_length: int = spec(1024, ge=1)
     """Maximum generated tokens per sample."""
+    chat_template_kwargs: dict[str, Any] = spec(factory=dict)
+    """Extra variables of the tokenizer's chat template, as vLLM's and transformers'
+    `chat_template_kwargs` (e.g. `{enable_thinking: false}` for Qwen3's hybrid checkpoints). Every
+    prompt the run renders gets them: training and eval prompts, CHORD's expert prompts, the
+    dry-run's length check and `eval generate --recipe`. The lint warns when the template opens a
+    thinking block and `max_response_length` is under 1024 tokens."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
     """Which log-probs vLLM returns: 'processed' = of logits/T (the sampling policy), 'raw' = of logits."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
@@ -223,6 +229,13 @@ class AlgorithmConfig:
     """Policy objective."""
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
     """Group advantage estimator: (r − mean)/(std + eps), or Dr.GRPO without the std division."""
+    advantage_std: Literal["population", "unbiased"] = "population"
+    """The group's std in 'grpo': 'population' (÷G: the normalized group has unit variance) or
+    'unbiased' (÷(G−1), torch.std's default: ms-swift's and TRL's). With `advantage_eps` 1e-4,
+    'unbiased' is ms-swift's (r − mean)/(std + 1e-4); it scales advantages by √(G/(G−1)) less:
+    ×0.71 at G 2, ×0.97 at G 16."""
+    advantage_eps: float = spec(1e-6, gt=0.0)
+    """ε added to the group's std in 'grpo' (ms-swift: 1e-4)."""
     mask_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (dynamic sampling); they carry no signal."""
     clip_eps_low: float = spec(0.2, ge=0.0, lt=1.0)
@@ -263,6 +276,11 @@ class LoraConfig:
     """Projections that get adapters: attention q/k/v (HF's q_proj/k_proj/v_proj, Qwen3-Next's q_proj
     with its gate) and o (o_proj); 'experts' = every routed expert's gate/up/down (expert-TP 1);
     'gdn' (Gated DeltaNet projections) is refused until it has a code path."""
+    dropout: float = spec(0.0, ge=0.0, lt=1.0)
+    """Dropout on each adapter's input, as PEFT's `lora_dropout`: the adapter computes
+    (α/r)·B·A·dropout(x) while the base sees x unchanged; q, k and v draw their masks independently
+    (PEFT's q_proj/k_proj/v_proj are separate modules). Only in the training forward: log-probs
+    (π_old, the reference, evaluation) and merged weights have none. ms-swift's default is 0.05."""
     base_quantization: Literal["none", "nf4", "fp8"] = "none"
     """Storage of the frozen base weights: 'nf4' is QLoRA's 4-bit NormalFloat with double-quantized
     block scales (torchao, `megatron/quantize.py`); only with a rank. 'fp8' is refused by the lint
@@ -324,7 +342,8 @@ class TrainerConfig:
     min_lr: float = spec(0.0, ge=0.0)
     """Final learning rate of a cosine schedule."""
     lr_warmup_ratio: float = spec(0.0, ge=0.0, le=1.0)
-    """Fraction of the total steps spent in linear warm-up."""
+    """Fraction of the optimizer steps spent in linear warm-up, rounded up as transformers does
+    (⌈ratio × updates⌉: 0.05 of 50 updates = 3)."""
     lr_decay_style: Literal["constant", "cosine"] = "constant"
     """Learning-rate schedule after warm-up."""
     weight_decay: float = spec(0.0, ge=0.0)
@@ -340,7 +359,8 @@ class TrainerConfig:
     epochs: int = spec(1, ge=1)
     """Passes over the prompt set."""
     max_steps: int | None = spec(None, ge=1)
-    """Stop after this many rollout steps (None = run all epochs)."""
+    """Stop after this many rollout steps (None = run all epochs); each makes
+    `algorithm.steps_per_generation` optimizer steps (`recipe show` prints the counts)."""
     seed: int = 1234
     """Seed for data order, sampling and initialization."""
     max_bad_steps_in_row: int = spec(3, ge=1)

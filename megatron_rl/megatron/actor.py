@@ -27,6 +27,7 @@ from ..objectives import (
     finalize_metrics,
     get_objective,
 )
+from ..schedule import warmup_updates
 from ..types import TrainBatch
 from . import cpu_compat
 from .devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, compute_device, init_distributed
@@ -162,7 +163,7 @@ class Actor:
         self.step = 0
 
     def _scheduler(self, t: TrainerConfig, total_updates: int) -> OptimizerParamScheduler:
-        warmup = int(t.lr_warmup_ratio * total_updates)
+        warmup = warmup_updates(t.lr_warmup_ratio, total_updates)     # transformers' ⌈ratio × steps⌉
         total = max(total_updates, warmup + 1)
         return OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr,
@@ -363,6 +364,11 @@ class Actor:
             denominators_from_masks([batch.sft_mask], batch.sft_mask.shape[1])
         mbs = self._local_microbatches(batch)
         loss_fn = get_objective(objective)
+        # One update per rollout: the weights that sampled are the weights being trained, so π_old
+        # is this forward itself, detached (ratio exactly 1, as ms-swift's and verl's on-policy
+        # paths). A second forward would differ from it by bf16 rounding of other micro-batch
+        # shapes and by LoRA dropout, noise that a sequence-level clip of 3e-4 would act on.
+        on_policy = cfg.steps_per_generation == 1
 
         def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
             # Entropy comes from the same chunked pass as the log-probs (no extra pass; detached
@@ -370,8 +376,10 @@ class Actor:
             logp, entropy = self._logprobs(logits, tokens, temperature, with_entropy=True)
             rows, width = mb.tokens.shape[0], mb.tokens.shape[1] - 1
             assert mb.old_logprobs is not None, "train_step needs the batch's old log-probs"
+            own = logp[:rows, :width]
             inputs = LossInputs(
-                logprobs=logp[:rows, :width], old_logprobs=mb.old_logprobs, advantages=mb.advantages,
+                logprobs=own, old_logprobs=own.detach() if on_policy else mb.old_logprobs,
+                advantages=mb.advantages,
                 mask=mb.mask, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
                 entropy=None if entropy is None else entropy[:rows, :width],
             )

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ from .sections import LORA_PARAM_ATTR
 cpu_compat.require_applied()
 
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.tensor_parallel import mappings  # noqa: E402
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # noqa: E402
 
@@ -98,9 +99,11 @@ class _Adapter(nn.Module):
     a: nn.Parameter
     b: nn.Parameter
 
-    def __init__(self, base: Any, weight_name: str, scale: float) -> None:
+    def __init__(self, base: Any, weight_name: str, scale: float, dropout: float = 0.0) -> None:
         super().__init__()
         self.scale = scale
+        self.dropout = dropout
+        """PEFT's lora_dropout on the adapter's input (training forward only: `self.training`)."""
         self.expert = bool(getattr(base, "is_expert", False))
         """An expert's linear: tokens arrive dispatched (no SP), its group is the expert-TP group,
         its gradients are reduced over the expert-data-parallel group."""
@@ -146,6 +149,28 @@ class _Adapter(nn.Module):
     def delta_output(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """dropout(x) for the adapter's input path, with masks drawn as Megatron draws its own: an
+        input that differs between tensor-parallel ranks (split on the hidden dimension, a sequence
+        chunk under SP, dispatched expert tokens) from the per-rank tracker streams, a replicated
+        one from the default stream, which every TP rank advances alike, so all apply one mask."""
+        if not self.training or self.dropout == 0.0:
+            return x
+        if self.expert:
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            rng: Any = tracker.fork(tensor_parallel.get_expert_parallel_rng_tracker_name())
+        elif self.input_split:
+            rng = tensor_parallel.get_cuda_rng_tracker().fork()
+        else:
+            rng = nullcontext()
+        with rng:
+            return torch.nn.functional.dropout(x, self.dropout, training=True)
+
+    @property
+    def input_split(self) -> bool:
+        """Whether this rank's input differs from the other TP ranks' (see `dropped`)."""
+        return self.sequence_parallel
+
     def delta_weight(self) -> torch.Tensor:
         """(α/r)·B·A in the shape and sharding of this rank's base weight."""
         raise NotImplementedError
@@ -169,7 +194,7 @@ class ColumnAdapter(_Adapter):
 
     def __init__(self, base: Any, weight_name: str, cfg: LoraConfig, groups: int,
                  sections: list[tuple[str, int]], targeted: list[str], seed: int) -> None:
-        super().__init__(base, weight_name, cfg.alpha / cfg.rank)
+        super().__init__(base, weight_name, cfg.alpha / cfg.rank, cfg.dropout)
         w = base.weight
         self.groups, self.sections, self.targeted, self.r = groups, sections, targeted, cfg.rank
         rows = {name: n for name, n in sections}
@@ -192,7 +217,13 @@ class ColumnAdapter(_Adapter):
         return cat.reshape(*lead, -1, *tail)
 
     def delta_output(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.nn.functional.linear(x, self.a)                       # [s(/tp), b, n·r]
+        if self.training and self.dropout > 0:
+            # PEFT's q_proj/k_proj/v_proj (gate_proj/up_proj) are separate modules, each with its
+            # own dropout: one mask per section.
+            h = torch.cat([torch.nn.functional.linear(self.dropped(x), a_s)
+                           for a_s in torch.split(self.a, self.r, dim=0)], dim=-1)
+        else:
+            h = torch.nn.functional.linear(x, self.a)                   # [s(/tp), b, n·r]
         if self.sequence_parallel:
             h = mappings.gather_from_sequence_parallel_region(h)       # bwd: reduce-scatter
         else:
@@ -219,7 +250,7 @@ class RowAdapter(_Adapter):
     replicated; the rank-r product is reduced over TP (reduce-scattered over the sequence under SP)."""
 
     def __init__(self, base: Any, weight_name: str, cfg: LoraConfig, seed: int) -> None:
-        super().__init__(base, weight_name, cfg.alpha / cfg.rank)
+        super().__init__(base, weight_name, cfg.alpha / cfg.rank, cfg.dropout)
         w = base.weight
         tp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         full = _init_a(cfg.rank, w.shape[1] * tp, seed, f"{weight_name}/o")
@@ -228,8 +259,12 @@ class RowAdapter(_Adapter):
         self.b = self._param(torch.zeros(w.shape[0], cfg.rank), sequence_parallel=self.sequence_parallel,
                              tensor_model_parallel=False)
 
+    @property
+    def input_split(self) -> bool:
+        return dist.get_world_size(self.group) > 1      # each TP rank holds other heads' outputs
+
     def delta_output(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.nn.functional.linear(x, self.a)                       # partial over TP
+        h = torch.nn.functional.linear(self.dropped(x), self.a)        # partial over TP
         if self.sequence_parallel:
             h = mappings.reduce_scatter_to_sequence_parallel_region(h)
         else:

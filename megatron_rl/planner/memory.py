@@ -30,7 +30,8 @@ with the adapters off (no term); see `lora.py`.
 Activation model (bytes stored per token per layer, bf16): the accounting of Korthikanti et al.
 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198, §4),
 which gives 34·s·b·h/t per layer with tensor + sequence parallelism plus 5·a·s²·b/t for the
-attention scores, adapted to these models: no dropout (p = 0 for RL fine-tuning, so no masks);
+attention scores, adapted to these models: no dropout in the model (p = 0 for RL fine-tuning, so no
+masks; LoRA's `lora.dropout` adds its own copies and masks, `lora_dropout_bytes_per_token`);
 flash attention (saves q, k, v, the output and a log-sum-exp instead of the s² scores — which also
 makes Megatron's 'selective' recompute (core attention) save nothing further); GQA (k, v have g
 heads); SwiGLU (fc1 gives 2f, the down projection's input f); and two further mixers/FFNs:
@@ -116,6 +117,8 @@ class Layout:
     """LoRA rank; 0 trains the full model (see `lora.py` for what a frozen base costs)."""
     lora_targets: tuple[str, ...] = ()
     base_quantization: str = "none"
+    lora_dropout: float = 0.0
+    """With dropout the adapters' input is a new tensor per adapter, kept with its mask."""
 
     @classmethod
     def from_recipe(cls, cfg: RecipeConfig) -> Layout:
@@ -135,7 +138,7 @@ class Layout:
                    param_bytes=DTYPE_BYTES[cfg.model.params_dtype],
                    reference=cfg.model.reference != "none", max_tokens_per_microbatch=t.max_tokens_per_microbatch,
                    lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.targets),
-                   base_quantization=cfg.lora.base_quantization)
+                   base_quantization=cfg.lora.base_quantization, lora_dropout=cfg.lora.dropout)
 
     @property
     def dp(self) -> int:
@@ -253,12 +256,26 @@ def layer_activation_bytes(layer: Layer, params: ModelParams, lay: Layout) -> fl
     tokens = lay.microbatch_tokens / lay.cp
     r = lay.tp if lay.sp else 1
     per_token = 4 * d.hidden / r + MIXER_ACTIVATIONS[layer.mixer](d, gated) / lay.tp
+    extra = tokens * lora_dropout_bytes_per_token(layer, d, lay)
     if layer.ffn == "dense":
-        return 2 * tokens * (per_token + 3 * d.intermediate / lay.tp)
+        return 2 * tokens * (per_token + 3 * d.intermediate / lay.tp) + extra
     per_token += 2 * d.experts / r + (3 * d.shared_intermediate / lay.tp + d.hidden / r
                                       if d.shared_intermediate else 0)
     routed = d.top_k * lay.etp * (2 * d.hidden + 3 * d.moe_intermediate / lay.etp)
-    return 2 * tokens * per_token + 2 * (tokens / r) * routed
+    return 2 * tokens * per_token + 2 * (tokens / r) * routed + extra
+
+
+def lora_dropout_bytes_per_token(layer: Layer, d: Dims, lay: Layout) -> float:
+    """LoRA dropout (`lora.dropout` > 0) on a full-attention layer: each of q, k, v keeps its own
+    dropped copy of the layer input (bf16) and its bool mask (the sequence chunk under SP), o one of
+    its TP share of the attention output; without dropout the adapters read the base's saved input."""
+    if not (lay.lora_rank and lay.lora_dropout > 0 and layer.mixer == "full_attention"):
+        return 0.0
+    per_element = lay.param_bytes + 1
+    r = lay.tp if lay.sp else 1
+    qkv = sum(t in lay.lora_targets for t in ("q", "k", "v")) * d.hidden / r
+    o = d.heads * d.head_dim / lay.tp if "o" in lay.lora_targets else 0.0
+    return per_element * (qkv + o)
 
 
 def stage_activation_bytes(layers: Sequence[Layer], params: ModelParams, lay: Layout,

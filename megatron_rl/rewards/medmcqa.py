@@ -44,6 +44,7 @@ curve cannot be compared with this one:
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from typing import Any
@@ -56,21 +57,30 @@ FORMATTED_WRONG_REWARD = 0.1
 NO_ANSWER_REWARD = 0.0
 
 _SP = r"[ \t]{0,4}"
-_LETTER = (r"(?:\((?P<paren>[a-dA-D])\)"
-           r"|(?P<upper>[A-D])(?![A-Za-z0-9])"
-           r"|(?P<lower>[a-d])(?=[).:,;]|[ \t]{0,4}(?:\n|$)))")
 
-_STRICT_PATTERNS: tuple[re.Pattern[str], ...] = (
-    re.compile(rf"(?i:the){_SP}(?i:correct){_SP}(?i:answer|option){_SP}(?i:is){_SP}:?{_SP}"
-               + _LETTER),
-    re.compile(rf"(?i:answer){_SP}:{_SP}" + _LETTER),
-    re.compile(rf"(?:答え|正解|解答){_SP}(?::|は){_SP}" + _LETTER),
-)
-_FLEXIBLE_PATTERNS: tuple[re.Pattern[str], ...] = (
-    re.compile(rf"(?i:answer){_SP}(?:(?i:is){_SP})?" + _LETTER),
-    re.compile(rf"(?i:option|choice){_SP}" + _LETTER),
-    re.compile(rf"(?:^|\n)[ \t]{{0,4}}{_LETTER}[ \t]{{0,4}}$"),
-)
+
+def _letter(last: str) -> str:
+    lo, up = f"a-{last}", f"A-{last.upper()}"
+    return (rf"(?:\((?P<paren>[{lo}{up}])\)"
+            rf"|(?P<upper>[{up}])(?![A-Za-z0-9])"
+            rf"|(?P<lower>[{lo}])(?=[).:,;]|[ \t]{{0,4}}(?:\n|$)))")
+
+
+@functools.lru_cache(maxsize=32)
+def _patterns(last: str) -> tuple[tuple[re.Pattern[str], ...], tuple[re.Pattern[str], ...]]:
+    """(strict, flexible-only) patterns for options a..`last`."""
+    letter = _letter(last)
+    strict = (
+        re.compile(rf"(?i:the){_SP}(?i:correct){_SP}(?i:answer|option){_SP}(?i:is){_SP}:?{_SP}" + letter),
+        re.compile(rf"(?i:answer){_SP}:{_SP}" + letter),
+        re.compile(rf"(?:答え|正解|解答){_SP}(?::|は){_SP}" + letter),
+    )
+    flexible = (
+        re.compile(rf"(?i:answer){_SP}(?:(?i:is){_SP})?" + letter),
+        re.compile(rf"(?i:option|choice){_SP}" + letter),
+        re.compile(rf"(?:^|\n)[ \t]{{0,4}}{letter}[ \t]{{0,4}}$"),
+    )
+    return strict, flexible
 
 
 def _letter_of(match: re.Match[str]) -> str:
@@ -78,13 +88,17 @@ def _letter_of(match: re.Match[str]) -> str:
     return letter.lower()
 
 
-def extract_medmcqa_answer(response: str, *, flexible: bool) -> frozenset[str] | None:
-    """The answer set by the first matching pattern (see module docstring), or None."""
+def extract_medmcqa_answer(response: str, *, flexible: bool, last_letter: str = "d") -> frozenset[str] | None:
+    """The answer set by the first matching pattern (see module docstring), or None. Options run
+    a..`last_letter` (MedMCQA: d; MedXpertQA Text: j)."""
+    if not ("a" <= last_letter <= "z" and len(last_letter) == 1):
+        raise ValueError(f"last_letter must be one of a..z, got {last_letter!r}")
     tagged = extract_answer(response)
     if tagged is not None:
         return tagged
     window = unicodedata.normalize("NFKC", tail(response)).rstrip()
-    patterns = _STRICT_PATTERNS + (_FLEXIBLE_PATTERNS if flexible else ())
+    strict, loose = _patterns(last_letter)
+    patterns = strict + (loose if flexible else ())
     for pattern in patterns:
         last = None
         for match in pattern.finditer(window):

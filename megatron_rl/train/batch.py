@@ -93,12 +93,13 @@ def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float) -> 
 
 
 def with_advantages(scored: ScoredRollout, batch: TrainBatch, estimator: str, mask_zero_variance: bool,
-                    penalty: torch.Tensor | None = None) -> tuple[TrainBatch, float]:
+                    penalty: torch.Tensor | None = None, *, unbiased_std: bool = False,
+                    eps: float = 1e-6) -> tuple[TrainBatch, float]:
     """`batch` with group-relative advantages from the (penalised) rewards and, when
     `mask_zero_variance`, flat groups masked out; and the fraction of flat groups."""
     rewards = scored.rewards if penalty is None else scored.rewards - penalty
-    adv = compute_advantages(rewards, group_size=scored.group_size, estimator=estimator,
-                             drop_zero_variance=mask_zero_variance)
+    adv = compute_advantages(rewards, group_size=scored.group_size, estimator=estimator, eps=eps,
+                             drop_zero_variance=mask_zero_variance, unbiased=unbiased_std)
     mask = batch.mask
     if mask_zero_variance and adv.sample_mask is not None:
         mask = mask * adv.sample_mask.to(mask.dtype).unsqueeze(1)

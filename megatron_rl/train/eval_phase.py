@@ -28,7 +28,7 @@ def load_eval_set(cfg: RecipeConfig, tokenizer: Any, task: LoadedTask) -> Prompt
     if not cfg.evaluation.interval or not cfg.data.eval_path:
         return None
     prompts = load_prompts(cfg.data.eval_path, tokenizer, cfg.rollout.max_prompt_length, cfg.data.on_malformed,
-                           task.task.prompt)
+                           task.task.prompt, cfg.rollout.chat_template_kwargs)
     n = cfg.evaluation.max_prompts or len(prompts.records)
     return Prompts(prompts.records[:n], prompts.token_ids[:n], prompts.dicts[:n])
 

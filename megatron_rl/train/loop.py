@@ -133,7 +133,8 @@ def learn(session: Session, task: LoadedTask, step: int, version: int, timings: 
     with timed(timings, "logprobs"):
         batch, routing = with_policy_logprobs(session, scored.batch, temperature)
     penalty = kl_penalty(batch, a.kl_beta, a.kl_estimator, a.kl_clamp) if a.kl_in_reward else None
-    batch, zero_variance_frac = with_advantages(scored, batch, a.advantage, a.mask_zero_variance_groups, penalty)
+    batch, zero_variance_frac = with_advantages(scored, batch, a.advantage, a.mask_zero_variance_groups, penalty,
+                                                unbiased_std=a.advantage_std == "unbiased", eps=a.advantage_eps)
     with timed(timings, "train"):
         updates = update(session, batch, a, step, temperature, seq_len, pad)
     return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing)

@@ -7,7 +7,6 @@ modules that `loop.py` calls (`rollout_phase`, `batch`, `update_phase`, `sync_ph
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import EXTERNAL_SERVERS_ENV, RolloutServer
 from ..rollout.shm import remove_stale_and_say
 from ..rollout.supervisor import ServerSupervisor
+from ..schedule import run_schedule
 from ..tasks import LoadedTask
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
@@ -54,10 +54,12 @@ class Session:
             else torch.float32
         t, a = cfg.trainer, cfg.algorithm
         self.prompts = load_prompts(_require(cfg.data.train_path, "data.train_path"), self.tokenizer,
-                                    cfg.rollout.max_prompt_length, cfg.data.on_malformed, task.task.prompt)
-        self.prompts_per_step = t.global_batch_size * a.steps_per_generation // cfg.rollout.n
-        self.total_steps = t.max_steps or t.epochs * math.ceil(len(self.prompts.records) / self.prompts_per_step)
-        updates = self.total_steps * a.steps_per_generation
+                                    cfg.rollout.max_prompt_length, cfg.data.on_malformed, task.task.prompt,
+                                    cfg.rollout.chat_template_kwargs)
+        schedule = run_schedule(cfg, len(self.prompts.records))
+        assert schedule is not None
+        self.prompts_per_step, self.total_steps = schedule.prompts_per_rollout, schedule.rollout_steps
+        updates = schedule.updates
         init_parallel(cfg.parallelism, t.seed, t.collective_timeout_min)
         recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
@@ -66,7 +68,8 @@ class Session:
         self.reference: Any = None if a.kl_beta <= 0 else \
             lora_run.BaseReference(self.actor) if lora_run.uses_base_reference(cfg) else self._reference(recipe)
         self.sft = load_sft_tokens(_require(cfg.data.sft_path, "data.sft_path"), self.tokenizer,
-                                   cfg.data.on_malformed) if cfg.algorithm.name == "chord" else None
+                                   cfg.data.on_malformed, cfg.rollout.chat_template_kwargs) \
+            if cfg.algorithm.name == "chord" else None
         self.order = DataOrder(len(self.prompts.records), t.seed, cfg.data.shuffle)
         self.sft_order = DataOrder(len(self.sft), t.seed + 1) if self.sft else None
         self.servers: list[RolloutServer] = []

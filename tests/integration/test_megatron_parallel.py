@@ -16,10 +16,11 @@ from tests.mp.launch import REPO, torchrun
 TINY_FIELDS = yaml.safe_load((REPO / "recipes/tiny/base.yaml").read_text())["model"]["tiny"]
 # Losses agree to fp32 reduction-order noise. Weights after 2 Adam steps (lr 1e-3) differ more:
 # Adam divides by sqrt(v), so parameters whose gradient is ~0 turn round-off into updates of up
-# to ±lr; 5e-5 is 5 % of one step's size, far below what a wrong shard or a lost gradient gives
-# (those move weights by a whole step, ~1e-3).
+# to ±lr; 1e-4 is 10 % of one step's size, far below what a wrong shard or a lost gradient gives
+# (those move weights by a whole step, ~1e-3). The round-off depends on the CPU's kernels: GSPO at
+# TP 2 + SP measured 6.5e-5 on one 2-core Xeon host, under the 5e-5 bound on another.
 LOSS_RTOL = 1e-6
-WEIGHT_ATOL = 5e-5
+WEIGHT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -38,9 +38,11 @@ CASES = {
     "dense": {"tp1": ("grpo", "chord"), "tp2_sp": ("grpo",), "pp2": ("grpo", "chord")},
     "next": {"tp1": ("grpo",), "tp2_sp": ("grpo",), "pp2": ("grpo",)},        # Gated DeltaNet layers
 }
+# Updates against the π_old computed before the first (steps_per_generation 2): the ratio is tested.
 OBJECTIVES = {
-    "grpo": AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05, entropy_coef=0.01),
-    "chord": AlgorithmConfig(name="chord", clip_eps_low=0.2, clip_eps_high=0.28,
+    "grpo": AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05, entropy_coef=0.01,
+                            steps_per_generation=2),
+    "chord": AlgorithmConfig(name="chord", clip_eps_low=0.2, clip_eps_high=0.28, steps_per_generation=2,
                              chord=ChordConfig(rl_objective="grpo", mu_warmup_steps=1, mu_decay_steps=4, phi=True)),
 }
 BUDGET = 40     # 24-token rows: 1 to 4 rows per micro-batch, depending on their lengths

@@ -35,9 +35,12 @@ LAYOUTS = {
     "tp2_ep2_etp1": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True,
                                    expert_model_parallel_size=2, expert_tensor_parallel_size=1),
 }
+# Two updates on one batch against the π_old computed before the first: steps_per_generation 2
+# (at 1 the ratio is 1 by construction and the second step would not test the ratio).
 OBJECTIVES = {
-    "grpo": AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05),
-    "gspo": AlgorithmConfig(clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="seq-mean-token-mean"),
+    "grpo": AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05, steps_per_generation=2),
+    "gspo": AlgorithmConfig(clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="seq-mean-token-mean",
+                            steps_per_generation=2),
 }
 
 

@@ -49,7 +49,7 @@ KIND_LAYOUTS = {"moe": ["tp1", "tp2_sp", "pp2", "ep2", "tp2_ep2_etp1"], "dense":
                 "moe_experts": ["tp1", "pp2", "ep2", "tp2_ep2_etp1"]}
 LORA = LoraConfig(rank=4, alpha=8.0, targets=["q", "k", "v", "o"])
 LORA_EXPERTS = LoraConfig(rank=4, alpha=8.0, targets=["q", "k", "v", "o", "experts"])
-ALGO = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05)
+ALGO = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05, steps_per_generation=2)
 
 
 def full_adapters(actor: Actor, grads: bool) -> dict[str, list]:

@@ -84,3 +84,37 @@ def test_errors_list_allowed_names_and_bad_shapes() -> None:
         compute_advantages(torch.zeros(4))
     with pytest.raises(ValueError):
         compute_advantages(torch.zeros(2, 4), group_size=3)
+
+
+def _ms_swift_advantages(rewards: list[list[float]]) -> list[list[float]]:
+    """ms-swift 3.11 `_compute_advantages` (scale_rewards 'group', the grpo default): (r − group
+    mean) / (torch.std (Bessel) + 1e-4), in float64."""
+    out = []
+    for group in rewards:
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1))
+        out.append([(r - mean) / (std + 1e-4) for r in group])
+    return out
+
+
+@pytest.mark.parametrize("g", [2, 16])
+def test_unbiased_std_with_eps_1e4_is_ms_swift_s(g: int) -> None:
+    gen = torch.Generator().manual_seed(g)
+    rewards = torch.randint(0, 3, (5, g), generator=gen).double() * 0.5
+    rewards[0] = 1.0                                         # a flat group: 0 in both
+    got = compute_advantages(rewards, estimator="grpo", eps=1e-4, unbiased=True).advantages
+    expected = _ms_swift_advantages(rewards.tolist())
+    assert got.flatten().tolist() == pytest.approx([a for group in expected for a in group], abs=1e-12)
+    pop = compute_advantages(rewards, estimator="grpo", eps=1e-4).advantages
+    varied = rewards.amax(-1) != rewards.amin(-1)
+    ratio = (got[varied] / pop[varied])[pop[varied].abs() > 0]
+    assert ratio.tolist() == pytest.approx([math.sqrt((g - 1) / g)] * ratio.numel(), rel=1e-3)
+
+
+def test_article_000_s_two_sample_groups_get_0707_not_1() -> None:
+    rewards = torch.tensor([[1.0, 0.1]], dtype=torch.float64)           # correct vs formatted-wrong
+    ms_swift = compute_advantages(rewards, eps=1e-4, unbiased=True).advantages
+    ours = compute_advantages(rewards).advantages
+    assert ms_swift[0, 0].item() == pytest.approx(0.45 / (0.45 * math.sqrt(2) + 1e-4))
+    assert ms_swift[0, 0].item() == pytest.approx(0.7070, abs=1e-4)
+    assert ours[0, 0].item() == pytest.approx(1.0, abs=1e-5)

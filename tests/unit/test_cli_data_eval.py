@@ -89,7 +89,7 @@ def test_data_prepare_medmcqa(run: Runner, tmp_path: Path) -> None:
              "cop": 3, "exp": "Because."}]
     src = tmp_path / "train.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
-    rc, out, err = run("data", "prepare", "medmcqa", "--src", src, "--out", tmp_path / "o")
+    rc, out, err = run("data", "prepare", "medmcqa", "--src", src, "--out", tmp_path / "o", "--cop-base", "1")
     assert rc == 0, err
     prompt = json.loads((tmp_path / "o" / "medmcqa_train.jsonl").read_text(encoding="utf-8"))
     assert prompt["answer"] == ["c"] and prompt["source"] == "medmcqa"

@@ -313,7 +313,7 @@ def test_medmcqa_malformed_lines_and_skip(tmp_path: Path) -> None:
     assert [q.id for q in questions] == ["q1", "q5"]
     assert (stats.records, stats.skipped) == (2, 3)
 
-    result = prepare_medmcqa(path, tmp_path / "out", split="dev", on_malformed="skip")
+    result = prepare_medmcqa(path, tmp_path / "out", split="dev", cop_base=1, on_malformed="skip")
     assert result.skipped_lines == 3
     prompts = read_prompts(tmp_path / "out" / "medmcqa_dev.jsonl")
     sft = read_sft(tmp_path / "out" / "medmcqa_dev_sft.jsonl")

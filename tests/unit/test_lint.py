@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.config import ConfigError, load_recipe
 from megatron_rl.lint import RULES, lint
+from tests.helpers.chat_templates import HYBRID, INSTRUCT, THINKING_2507
 from tests.helpers.rollout import unit_paths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,9 +30,11 @@ def test_tiny_recipes_are_clean(recipe: str) -> None:
     assert findings(recipe) == {}
 
 
-def test_gspo_with_one_step_per_generation_is_an_error() -> None:
+def test_gspo_with_one_step_per_generation_is_a_warning_naming_article_000() -> None:
+    # On-policy GSPO is legitimate (article 000's run was exactly that), but worth a word.
     (msg,) = findings("gspo.yaml", "algorithm.steps_per_generation=1")["gspo-never-clips"]
-    assert msg.startswith("error|algorithm.steps_per_generation|") and "never acts" in msg
+    assert msg.startswith("warning|algorithm.steps_per_generation|") and "never acts" in msg
+    assert "article 000" in msg
     # The same mistake through CHORD's RL part.
     got = findings("chord.yaml", "algorithm.chord.rl_objective=gspo", "algorithm.clip_eps_low=3e-4",
                    "algorithm.clip_eps_high=4e-4")
@@ -264,3 +268,46 @@ def test_gpu_weight_transfers_that_nccl_or_ipc_refuse() -> None:
     (msg,) = findings("grpo.yaml", "rollout.weight_transfer=ipc", "parallelism.nodes=2",
                       "trainer.global_batch_size=256")["weight-transfer"]
     assert "all 2 trainer nodes" in msg
+
+
+def _tokenizer_dir(path: Path, template: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}), encoding="utf-8")
+    return path
+
+
+
+
+def test_thinking_template_with_a_short_budget_is_a_warning(tmp_path: Path) -> None:
+    rule = "thinking-budget"
+    hybrid = _tokenizer_dir(tmp_path / "Qwen3-8B", HYBRID)
+    (msg,) = findings("grpo.yaml", f"model.tokenizer={hybrid}", "rollout.max_response_length=512")[rule]
+    assert msg.startswith("warning|rollout.max_response_length|512 tokens") and "model opens <think>" in msg
+    assert rule not in findings("grpo.yaml", f"model.tokenizer={hybrid}", "rollout.max_response_length=512",
+                                "rollout.chat_template_kwargs={enable_thinking: false}")
+    assert rule not in findings("grpo.yaml", f"model.tokenizer={hybrid}", "rollout.max_response_length=1024")
+    thinking = _tokenizer_dir(tmp_path / "t", THINKING_2507)
+    (msg,) = findings("grpo.yaml", f"model.tokenizer={thinking}", "rollout.max_response_length=512")[rule]
+    assert "the prompt opens <think>" in msg and "judged by its chat template" in msg
+    instruct = _tokenizer_dir(tmp_path / "i", INSTRUCT)
+    assert rule not in findings("grpo.yaml", f"model.tokenizer={instruct}", "rollout.max_response_length=512")
+    assert rule not in findings("grpo.yaml")                            # the demo tokenizer: no thinking
+
+
+def test_thinking_is_judged_by_the_release_name_when_the_tokenizer_is_on_the_cluster() -> None:
+    rule = "thinking-budget"
+    q235 = REPO / "recipes" / "qwen3_235b_a22b"
+    for recipe in ("grpo.yaml", "gspo.yaml", "chord.yaml"):      # Instruct-2507, 512 tokens: no warning
+        cfg = load_recipe(q235 / recipe)
+        assert cfg.rollout.max_response_length == 512 and "Instruct-2507" in str(cfg.model.init_checkpoint)
+        assert rule not in {f.rule for f in lint(cfg, check_paths=False)}, recipe
+    hybrid = [f"model.{key}=/cluster/models/Qwen3-235B-A22B" for key in ("init_checkpoint", "tokenizer")]
+    got = [f for f in lint(load_recipe(q235 / "grpo.yaml", hybrid), check_paths=False) if f.rule == rule]
+    assert [f.level for f in got] == ["warning"] and "judged by its name" in got[0].message
+    off = load_recipe(q235 / "grpo.yaml", [*hybrid, "rollout.chat_template_kwargs={enable_thinking: false}"])
+    assert rule not in {f.rule for f in lint(off, check_paths=False)}
+    # Article 000's Thinking-2507 run has room to finish its thinking (2000 tokens).
+    qlora = load_recipe(q235 / "gspo_qlora.yaml")
+    assert rule not in {f.rule for f in lint(qlora, check_paths=False)}
+    assert rule in {f.rule for f in lint(load_recipe(q235 / "gspo_qlora.yaml", ["rollout.max_response_length=512"]),
+                                        check_paths=False)}

@@ -54,23 +54,33 @@ def test_qlora_recipe_layout_terms_by_hand() -> None:
     cfg = load_recipe(RECIPE)
     p = cfg.parallelism
     assert (p.nodes, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-            p.expert_model_parallel_size, p.expert_tensor_parallel_size) == (1, 2, 1, 8, 1)
-    terms = {t.key: t.gb * GB for t in estimate(cfg, count_params(Q235), HW).stage.terms}
-    # One GPU of TP 2 × EP 8: half of every attention projection and 16 of the 128 experts in NF4;
-    # half the embedding and the output layer, norms and router in bf16.
-    quantized = LAYERS * (ATTENTION / 2 + EXPERTS / 8)
-    bf16 = LAYERS * REPLICATED + 2 * VOCAB * H / 2 + H
+            p.expert_model_parallel_size, p.expert_tensor_parallel_size) == (1, 4, 1, 8, 1)
+    est = estimate(cfg, count_params(Q235), HW)
+    terms = {t.key: t.gb * GB for t in est.stage.terms}
+    # One GPU of TP 4 × EP 8: a quarter of every attention projection and 16 of the 128 experts in
+    # NF4; a quarter of the embedding and the output layer, norms and router in bf16.
+    quantized = LAYERS * (ATTENTION / 4 + EXPERTS / 8)
+    bf16 = LAYERS * REPLICATED + 2 * VOCAB * H / 4 + H
     # Adapters: q/k/v's A replicated, B split over TP; o's A split, B replicated.
-    adapters = LAYERS * (3 * R * H + R * (Q_OUT + 2 * KV_OUT) / 2 + R * Q_OUT / 2 + R * H)
-    assert adapters == 18_866_176
+    adapters = LAYERS * (3 * R * H + R * (Q_OUT + 2 * KV_OUT) / 4 + R * Q_OUT / 4 + R * H)
+    assert adapters == 15_593_472
     assert terms["weights"] == pytest.approx(2 * bf16 + quantized * nf4_bytes_per_param(2) + 2 * adapters, rel=REL)
     assert terms["gradients"] == pytest.approx(4 * adapters, rel=REL)                # fp32 main grads
-    assert terms["optimizer"] == pytest.approx(12 * adapters / 4, rel=REL)           # Adam + master, DP 4
+    assert terms["optimizer"] == pytest.approx(12 * adapters / 2, rel=REL)           # Adam + master, DP 2
     assert terms["reference"] == 0                       # β 0; with LoRA it would be the base anyway
-    # The largest linear dequantized at a time: this GPU's half of linear_qkv (an expert's fc1 is
-    # 2 × 4096 × 1536 = 12.6 M weights, under 4096 × 9216 / 2 = 18.9 M).
-    assert terms["dequantized"] == pytest.approx(2 * H * (Q_OUT + 2 * KV_OUT) / 2, rel=REL)
-    assert terms["weights"] / GB == pytest.approx(17.8, abs=0.05)
+    # The largest linear dequantized at a time: an expert's fc1 (2 × 4096 × 1536 = 12.6 M weights),
+    # over this GPU's quarter of linear_qkv (4096 × 9216 / 4 = 9.4 M).
+    assert terms["dequantized"] == pytest.approx(2 * 2 * H * 1536, rel=REL)
+    assert terms["weights"] / GB == pytest.approx(16.3, abs=0.05)
+    # LoRA dropout 0.05: per token and attention layer, q, k and v each keep a dropped bf16 copy of
+    # the SP chunk of the input and its bool mask (3 bytes × H / TP), o one of its TP share of the
+    # attention output — at 4500 tokens (2500 prompt cap + 2000), 94 layers kept plus one layer's
+    # backward working set:
+    dropout = 3 * (3 * H / 4 + Q_OUT / 4) * 4500 * (LAYERS + 1)
+    no_dropout = estimate(load_recipe(RECIPE, ["lora.dropout=0.0"]), count_params(Q235), HW)
+    without = {t.key: t.gb * GB for t in no_dropout.stage.terms}
+    assert terms["activations"] - without["activations"] == pytest.approx(dropout, rel=1e-6)
+    assert dropout / GB == pytest.approx(6.6, abs=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +129,12 @@ def test_qlora_recipe_carries_the_published_run() -> None:
     assert cfg.task == "medmcqa" and "Thinking-2507" in str(cfg.model.init_checkpoint)
     assert (a.name, r.n, a.kl_beta, cfg.model.reference) == ("gspo", 2, 0.0, "none")
     assert (t.lr, r.temperature, r.top_p, r.max_response_length, t.max_steps) == (1e-5, 0.7, 0.9, 2000, 50)
-    assert (a.clip_eps_low, a.clip_eps_high, a.steps_per_generation) == (3e-4, 4e-4, 2)
+    # steps_per_generation 2 in ms-swift counted micro-steps: one update per rollout here
+    # (tests/unit/test_published_runs.py counts it as ms-swift did).
+    assert (a.clip_eps_low, a.clip_eps_high, a.steps_per_generation) == (3e-4, 4e-4, 1)
     assert (lo.rank, lo.alpha, lo.targets, lo.base_quantization) == (8, 16.0, ["q", "k", "v", "o"], "nf4")
     assert (t.global_batch_size, t.lr_warmup_ratio, t.weight_decay, t.seed) == (4, 0.05, 0.01, 42)
-    assert r.max_prompt_length + r.max_response_length == 2500               # max_length 2500
+    assert r.max_prompt_length == 2500                     # max_length 2500: the prompt cap in GRPO
     assert {k: v for k, v in cfg.rewards.weights.items() if v} == {"medmcqa_strict": 1.0}
     # Refused on GPUs until a QLoRA model spec exists (tests/unit/test_gpu_refusals.py); nothing else.
     assert [f.rule for f in lint(cfg, check_paths=False) if f.level == "error"] == ["lora-base-quantization"]
