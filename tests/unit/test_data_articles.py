@@ -17,7 +17,7 @@ from megatron_rl.data.schema import DataError, PromptRecord, read_prompts, read_
 from megatron_rl.eval.mcq import score_mcq
 from megatron_rl.rewards.medmcqa import medmcqa_strict
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MEDXPERTQA = FIXTURES / "medxpertqa" / "test.jsonl"
 EXPERT_TEXTS = FIXTURES / "chord_sft" / "expert_texts.jsonl"
 
