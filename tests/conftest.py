@@ -19,7 +19,6 @@ from tests.helpers.servers import (  # noqa: F401  (the shared rollout server)
     demo_server,
     demo_servers_dir,
     demo_weights_server,
-    demo_weights_servers_dir,
 )
 from tests.helpers.slurm import slurm  # noqa: F401  (the session's one-node Slurm)
 

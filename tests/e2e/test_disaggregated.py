@@ -12,13 +12,13 @@ from tests.helpers.rollout import REPO, demo_assets, start_server
 from tests.helpers.train import SMALL, metrics
 
 
-def test_trainer_uses_and_syncs_every_external_server(tmp_path: Path, demo_server: RolloutServer) -> None:
+def test_trainer_uses_and_syncs_every_external_server(tmp_path: Path, demo_weights_server: RolloutServer) -> None:
     servers_dir = tmp_path / "servers"
     servers_dir.mkdir()
     # Two rollout nodes: the session's shared server stands for one, a server of our own for the other.
-    (servers_dir / "node-a").symlink_to(Path(demo_server.run_dir))
+    (servers_dir / "node-a").symlink_to(Path(demo_weights_server.run_dir))
     own = start_server(demo_assets()["model"], servers_dir / "node-b")
-    servers = [demo_server, own]
+    servers = [demo_weights_server, own]
     try:
         cmd = [os.sys.executable, "-m", "megatron_rl.cli", "train", str(REPO / "recipes/tiny/grpo.yaml"), *SMALL,
                "trainer.max_steps=2", f"logging.output_dir={tmp_path}", "logging.run_name=run"]

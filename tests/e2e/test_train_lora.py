@@ -26,7 +26,7 @@ ATTENTION = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for
 
 def train(out: Path, name: str, *extra: str, servers: Path, timeout: float = 1800) -> Path:
     """A LoRA run attached to the shared server. Its syncs send only the adapted tensors (merged:
-    base + ΔW), so the server must hold the base elsewhere: `demo_weights_servers_dir` puts the
+    base + ΔW), so the server must hold the base elsewhere: `demo_servers_dir` puts the
     demo checkpoint back first, as a server started on the base would hold it."""
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), f"logging.output_dir={out}",
            f"logging.run_name={name}", *extra]
@@ -35,8 +35,8 @@ def train(out: Path, name: str, *extra: str, servers: Path, timeout: float = 180
     return out / name
 
 
-def test_tiny_lora_grpo_learns_with_adapter_syncs(tmp_path: Path, demo_weights_servers_dir: Path) -> None:
-    run = train(tmp_path, "lora", servers=demo_weights_servers_dir)
+def test_tiny_lora_grpo_learns_with_adapter_syncs(tmp_path: Path, demo_servers_dir: Path) -> None:
+    run = train(tmp_path, "lora", servers=demo_servers_dir)
     rows = metrics(run)
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -51,11 +51,11 @@ def test_tiny_lora_grpo_learns_with_adapter_syncs(tmp_path: Path, demo_weights_s
     assert {n for n in init.names() if not torch.equal(init.get(n), final.get(n))} == ATTENTION
 
 
-def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path: Path, demo_weights_servers_dir: Path) -> None:
+def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path: Path, demo_servers_dir: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     common = [*SMALL, "algorithm.kl_beta=0.05", "checkpoint.export_hf=false", "trainer.lr_decay_style=cosine"]
-    straight = metrics(train(tmp_path, "straight", *common, "trainer.max_steps=4", servers=demo_weights_servers_dir))
+    straight = metrics(train(tmp_path, "straight", *common, "trainer.max_steps=4", servers=demo_servers_dir))
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), f"logging.output_dir={tmp_path}",
            "logging.run_name=resumed", *common, "trainer.max_steps=4", "checkpoint.save_interval=2"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -71,7 +71,7 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path: Path, demo_weigh
     extra = json.loads((ckpt / "complete.json").read_text())["extra"]
     assert extra["lora"]["rank"] == 8 and len(extra["lora"]["base"]["sha256"]) == 64
     rows = metrics(train(tmp_path, "resumed", *common, "trainer.max_steps=4", "--resume",
-                         servers=demo_weights_servers_dir))
+                         servers=demo_servers_dir))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(straight, rows):
         assert (b["data/epoch"], b["data/position"]) == (a["data/epoch"], a["data/position"])

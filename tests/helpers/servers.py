@@ -6,9 +6,9 @@ server on the warmed-up demo model, started on first use and stopped when the se
 
 It is laid out as the sbatch script lays out rollout nodes (`<dir>/<host>/rollout/server.json`), so
 a trainer run attaches to it through the production path, `$MEGATRON_RL_ROLLOUT_SERVERS`
-(`train_env`). A trainer pushes its own weights before its first rollout, so what an earlier test
-left on the server does not matter to it; tests that read the server's weights directly push
-theirs first too.
+(`train_env`). Servers of a real run start from the run's checkpoint, and the trainer relies on it
+(start-up verification before the first sync, adapter-only LoRA syncs): so before each test the
+demo checkpoint is sent back when an earlier test left other weights (`demo_weights_server`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,6 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutSer
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-def demo_servers_dir(demo_server: RolloutServer) -> Path:
-    """What `$MEGATRON_RL_ROLLOUT_SERVERS` points at; fails the test if the shared server died."""
-    assert demo_server.alive(), f"the shared rollout server died; see {demo_server.rollout_dir / 'server.log'}"
-    return Path(demo_server.run_dir).parent
 
 
 _restored: list[int] = []        # versions this module sent to put the demo weights back
@@ -68,9 +61,10 @@ def demo_weights_server(demo_server: RolloutServer, tmp_path: Path) -> RolloutSe
 
 
 @pytest.fixture
-def demo_weights_servers_dir(demo_weights_server: RolloutServer) -> Path:
-    """`demo_servers_dir` for runs that rely on the server holding the base checkpoint (LoRA syncs
-    send only the adapted tensors, as from a server started on the base)."""
+def demo_servers_dir(demo_weights_server: RolloutServer) -> Path:
+    """What `$MEGATRON_RL_ROLLOUT_SERVERS` points at, for a trainer run from the demo checkpoint.
+    The server holds that checkpoint, as servers started for a run do: the trainer's start-up
+    verification calibrates on it before the first sync, and LoRA syncs send only adapted tensors."""
     return Path(demo_weights_server.run_dir).parent
 
 
