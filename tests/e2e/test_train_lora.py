@@ -26,9 +26,8 @@ ATTENTION = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for
 
 def train(out: Path, name: str, *extra: str, servers: Path | None, timeout: float = 1800) -> Path:
     """A LoRA run, attached to the shared server unless `servers` is None. Its syncs send only the
-    adapted tensors (merged:
-    base + ΔW), so the server must hold the base elsewhere: `demo_servers_dir` puts the
-    demo checkpoint back first, as a server started on the base would hold it."""
+    adapted tensors (merged: base + ΔW), so the server must hold the base elsewhere:
+    `demo_servers_dir` puts the demo checkpoint back first, as a server started on the base would."""
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), f"logging.output_dir={out}",
            f"logging.run_name={name}", *extra]
     env = train_env(servers) if servers is not None else dict(os.environ, OMP_NUM_THREADS="1")
