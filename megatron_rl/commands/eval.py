@@ -116,6 +116,15 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
+def _emit(report: Any, as_json: bool, render_markdown: Any) -> int:
+    """A scoring command's output: the report as JSON, or its Markdown rendering."""
+    if as_json:
+        _print_json(report)
+    else:
+        sys.stdout.write(render_markdown(report))
+    return 0
+
+
 def run_igakuqa(args: argparse.Namespace) -> int:
     from megatron_rl.data.igakuqa import load_igakuqa
     from megatron_rl.data.schema import DataError
@@ -130,11 +139,7 @@ def run_igakuqa(args: argparse.Namespace) -> int:
     except (DataError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        _print_json(report)
-    else:
-        sys.stdout.write(render_markdown(report))
-    return 0
+    return _emit(report, args.json, render_markdown)
 
 
 def generate_settings(args: argparse.Namespace) -> tuple[Any, Any] | None:
@@ -207,11 +212,7 @@ def run_mcq(args: argparse.Namespace) -> int:
     except (DataError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        _print_json(report)
-    else:
-        sys.stdout.write(render_markdown(report))
-    return 0
+    return _emit(report, args.json, render_markdown)
 
 
 def run_compare(args: argparse.Namespace) -> int:
