@@ -106,7 +106,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     from ..rollout.client import RolloutError
     from ..rollout.server import ServerError
     from ..rollout.supervisor import RestartCheckFailed
-    from ..train.session import Stop
+    from ..train.run import Stop
 
     return (Stop, ValueError, OSError, ServerError, RolloutError, RestartCheckFailed, OptimizerLayoutMismatch,
             httpx.HTTPError)
@@ -119,7 +119,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _forget_unstarted_run(cfg) -> None:  # noqa: ANN001
     """A run that failed before its first step leaves no run dir behind to block a re-run."""
-    from ..train.setup import never_started
+    from ..train.run import never_started
 
     if not cfg.logging.run_name:
         return

@@ -305,7 +305,7 @@ def _computed_tokens(lay: Layout, wl: Workload) -> float:
 def logprob_seconds(params: ModelParams, cfg: RecipeConfig, lay: Layout, wl: Workload, g: GpuSpec) -> Phase:
     rows = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
     seq = _computed_tokens(lay, wl)
-    # π_ref exists when the KL term does (train/session.py); with LoRA it is the base, one more forward.
+    # π_ref exists when the KL term does (train/policy.py); with LoRA it is the base, one more forward.
     passes = 1 + int(cfg.algorithm.kl_beta > 0) + int(cfg.rollout.routing_replay and
                                                     cfg.rollout.routing_replay_diagnostics)
     flops = passes * _forward_flops(params, rows, seq)
