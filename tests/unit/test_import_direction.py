@@ -2,8 +2,9 @@
 of megatron-core are an explicit call.
 
 Allowed: a model folder (`megatron_rl/models/<name>/`) imports `megatron/`, `weights/adapters.py`,
-`model_config` and the recipe schema (`config/`, the bottom layer: `ParallelismConfig`); `megatron/` never imports `weights/` or a model folder; `weights/adapters.py`
-(the map's building blocks) imports nothing of the project but `model_config`. The two registries
+`model_config` and the recipe schema (`config/schema.py`, the bottom layer: `ParallelismConfig`);
+`megatron/` never imports `weights/` or a model folder; `weights/adapters.py` (the map's building
+blocks) imports nothing of the project but `model_config`. The two registries
 (`megatron/providers.py`, `weights/adapters.py`) reach the folders only through
 `megatron_rl.models.load_model`, by name. Read from the source (every import statement, also
 inside functions), so a new import in the wrong direction fails here.
