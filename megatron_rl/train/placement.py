@@ -1,7 +1,7 @@
 """Where a run's rollout servers live: one colocated server per trainer node.
 
 Each node's first rank (LOCAL_RANK 0) starts the node's server on that node's GPUs (TP × DP of
-them, `rollout-server-fits-a-node` in lint.py) and publishes it under
+them, `rollout-server-fits-a-node` in config/rules.py) and publishes it under
 `<run>/rollout/node_<k>/rollout/server.json` (+ `token`), the same shape as the sbatch script's
 disaggregated `rollout_servers/<host>/rollout/`. Global rank 0 waits for every node's file and
 drives all servers (generation, weight sync, verification, sleep/wake); the other ranks of a node

@@ -15,7 +15,7 @@ def startup_summary(cfg: RecipeConfig, session: Any, task: LoadedTask, start: in
                     verified: dict[str, float]) -> str:
     p, r = cfg.parallelism, cfg.rollout
     world = dist.get_world_size()
-    dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    dp = p.data_parallel_size
     arch = (session.hf.get("architectures") or ["?"])[0]
     dtype = str(session.dtype).removeprefix("torch.")
     servers = ", ".join(s.base_url for s in session.servers) or "none"

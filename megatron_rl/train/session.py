@@ -65,7 +65,7 @@ class Session:
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
                            t.max_tokens_per_microbatch, lora=cfg.lora)
         _load_init(self.actor, self.init.path)
-        self.reference: Any = None if a.kl_beta <= 0 else \
+        self.reference: Any = None if not a.uses_reference else \
             lora_run.BaseReference(self.actor) if lora_run.uses_base_reference(cfg) else self._reference(recipe)
         self.sft = load_sft_tokens(_require(cfg.data.sft_path, "data.sft_path"), self.tokenizer,
                                    cfg.data.on_malformed, cfg.rollout.chat_template_kwargs) \
