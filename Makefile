@@ -6,6 +6,10 @@
 PY := .venv/bin/python
 GPU_PY ?= python
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, one per core (most of a test's time is waiting on a server or torchrun
+# start); tests/conftest.py makes each file one unit of work. WORKERS=0: one process.
+WORKERS ?= 2
+PYTEST := $(PY) -m pytest $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile)
 # The gpu-marked tests (containers/selftest.py runs the same list inside the image).
 GPU_TESTS := tests/gpu
 # ruff and mypy run from the project venv; LINT_PY points them at another interpreter's.
@@ -20,7 +24,7 @@ demo: env
 # Everything, as CI runs it (.ci/run): the four tiers of tests/ (CONTRIBUTING.md). About 15 min
 # on 2 cores, most of it in the integration and e2e tiers.
 test: env
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 # Refuses when CUDA is not there: a GPU stage whose tests all skip must not pass.
 test-gpu:
@@ -29,19 +33,19 @@ test-gpu:
 
 # The edit loop: tests/unit (no vLLM server, torchrun or Slurm job); under 2 minutes.
 test-fast: env
-	$(PY) -m pytest $(PYTEST_ARGS) tests/unit
+	$(PYTEST) $(PYTEST_ARGS) tests/unit
 
 # One real vLLM server (shared by most of them) or a torchrun group per test.
 test-integration: env
-	$(PY) -m pytest $(PYTEST_ARGS) tests/integration
+	$(PYTEST) $(PYTEST_ARGS) tests/integration
 
 # The trainer CLI end to end, Slurm jobs, the fault bench.
 test-e2e: env
-	$(PY) -m pytest $(PYTEST_ARGS) tests/e2e
+	$(PYTEST) $(PYTEST_ARGS) tests/e2e
 
 # integration + e2e
 test-slow: env
-	$(PY) -m pytest $(PYTEST_ARGS) tests/integration tests/e2e
+	$(PYTEST) $(PYTEST_ARGS) tests/integration tests/e2e
 
 # Rules and settings in pyproject.toml ([tool.ruff], [tool.mypy]); .pre-commit-config.yaml runs the same.
 lint: env

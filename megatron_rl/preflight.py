@@ -4,6 +4,9 @@ The recipe's lint rules (batch and micro-batch splits of the RL and SFT streams 
 TP × DP against a node, memory options), the data files (readable, prompts within
 `rollout.max_prompt_length` with the run's own tokenizer, enough of them for one step) and the
 planner's fit. `check_paths=False` skips what needs files that exist only on the cluster.
+
+It is not under `config/` (beside the lint rules it extends): it runs the planner and the run's
+tokenizer, which `config/` may not import; `config/check.py` takes it as the dry run's checks.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .config.rules import Finding, lint
 from .config.schema import RecipeConfig
-from .lint import Finding, gpus_per_node, lint
 
 
 def preflight(cfg: RecipeConfig, check_paths: bool = True, gpu_memory_gb: float = 80.0) -> list[Finding]:
@@ -91,7 +94,7 @@ def fit_findings(cfg: RecipeConfig, gpu_memory_gb: float) -> list[Finding]:
     from .planner.plan import plan
     from .planner.report import render
 
-    if gpus_per_node(cfg) == 0:
+    if cfg.gpus_per_node == 0:
         return []
     try:
         hf = resolve_hf_config(cfg.model) if not cfg.model.hf_config or Path(cfg.model.hf_config).exists() else None

@@ -1,5 +1,5 @@
 """Where a run's processes sit on GPUs, as pure functions of the recipe (CPU-tested over every
-production recipe; `lint.py` and the GPU weight transports use them).
+production recipe; `config/rules.py` and the GPU weight transports use them).
 
 Node numbering follows the sbatch script: trainer nodes 0 … P−1 (torchrun places a node's ranks
 contiguously, LOCAL_RANK = GPU index), then the rollout nodes of a disaggregated layout. A server

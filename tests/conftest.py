@@ -15,6 +15,7 @@ import pytest
 
 from megatron_rl.console import KNOWN_WARNINGS, quiet_third_party
 from tests.helpers.models import tiny, tiny_moe  # noqa: F401  (fixtures of the unit and integration tiers)
+from tests.helpers.schedule import cost_class, unit_of
 from tests.helpers.servers import (  # noqa: F401  (the shared rollout server)
     demo_server,
     demo_servers_dir,
@@ -55,6 +56,9 @@ def tier_of(path: Path) -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = None if _cuda_available() else pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    # Costliest files first (tests/helpers/schedule.py); a stable sort keeps each file's tests
+    # together and in their order, so module-scoped fixtures are still set up once.
+    items.sort(key=lambda item: cost_class(Path(str(item.fspath)), tier_of(Path(str(item.fspath)))))
     for item in items:
         tier = tier_of(Path(str(item.fspath)))
         if tier is None:
@@ -66,3 +70,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under `pytest -n N` (`make test`): one work unit per file, the Slurm files as one unit, in
+    the collection's (costliest-first) order. Optional: the GPU image runs pytest without xdist."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = Path(str(config.rootpath))
+
+    class FileUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid, root)
+
+    config.option.loadscopereorder = False
+    return FileUnits(config, log)

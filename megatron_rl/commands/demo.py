@@ -45,8 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    from ..config.check import load_checked
     from ..demo.prepare import prepare_demo_assets
-    from .train import load_checked
 
     fields = yaml.safe_load((REPO / "recipes" / "tiny" / "base.yaml").read_text())["model"]["tiny"]
     assets = prepare_demo_assets(cache_root() / "demo", fields)

@@ -146,14 +146,13 @@ def generate_settings(args: argparse.Namespace) -> tuple[Any, Any] | None:
     """(RolloutConfig, Decoding) from the recipe and the flags; None after printing why not."""
     import dataclasses
 
+    from megatron_rl.config.check import load
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.predict import Decoding
 
-    from .recipe import load_or_report
-
     rollout, kwargs, max_tokens = RolloutConfig(enforce_eager=True), {}, 512
     if args.recipe:
-        cfg = load_or_report(args.recipe, [])
+        cfg = load(args.recipe)
         if cfg is None:
             return None
         rollout, kwargs = cfg.rollout, dict(cfg.rollout.chat_template_kwargs)

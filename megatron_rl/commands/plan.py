@@ -58,7 +58,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import ConfigError, load_recipe
+    from ..config.check import load
     from ..model_config import ModelConfigError, resolve_hf_config
     from ..planner import PlannerError
     from ..planner.gpus import gpu
@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
             raise PlannerError("--gpu-memory-gb and --host-memory-gb must be > 0 and --suggestions >= 0")
         if any(v is not None and v <= 0 for v in (args.prompt_tokens, args.response_tokens)):
             raise PlannerError("--prompt-tokens and --response-tokens must be > 0")
-        cfg = load_recipe(args.path, _overrides(args))
+        cfg = load(args.path, _overrides(args), one_line=True)
+        if cfg is None:
+            return 1
         hf = resolve_hf_config(cfg.model)
         if hf is None:
             raise PlannerError(f"{args.path}: the recipe names no model (model.hf_config or model.tiny)")
@@ -84,10 +86,6 @@ def run(args: argparse.Namespace) -> int:
         workload = Workload.of(cfg, args.prompt_tokens, args.response_tokens)
         result = plan(cfg, hf, hw, args.suggestions, args.rank, workload)
         modes = compare(cfg, hf, hw) if args.modes else None
-    except ConfigError as exc:
-        print(f"error: invalid recipe {args.path}: " + "; ".join(str(p) for p in exc.problems),
-              file=sys.stderr)
-        return 1
     except (ModelConfigError, PlannerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -23,19 +23,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=run)
 
 
-def load_or_report(path: str, overrides: list[str]) -> RecipeConfig | None:
-    """The recipe, or None after printing every problem the loader found (file:line, key, why)."""
-    from ..config import ConfigError, load_recipe
-
-    try:
-        return load_recipe(path, overrides)
-    except ConfigError as exc:
-        print(f"error: invalid recipe {path}", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return None
-
-
 def schedule_comment(cfg: RecipeConfig) -> str:
     """What the counts mean, as YAML comments after the resolved recipe (`megatron_rl.schedule`)."""
     from ..schedule import run_schedule
@@ -52,20 +39,13 @@ def schedule_comment(cfg: RecipeConfig) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..config import dump_yaml
-    from ..lint import lint
+    from ..config.check import load, validate
 
-    cfg = load_or_report(args.path, args.overrides)
+    if args.verb == "validate":
+        return validate(args.path, args.overrides, check_paths=not args.no_check_paths)
+    cfg = load(args.path, args.overrides)
     if cfg is None:
         return 1
-    if args.verb == "show":
-        sys.stdout.write(dump_yaml(cfg))
-        sys.stdout.write(schedule_comment(cfg))
-        return 0
-    findings = lint(cfg, check_paths=not args.no_check_paths)
-    errors = [f for f in findings if f.level == "error"]
-    for finding in findings:
-        print(f"  {finding}", file=sys.stderr if finding.level == "error" else sys.stdout)
-    status = "invalid" if errors else "valid"
-    warnings = len(findings) - len(errors)
-    print(f"{args.path}: {status} ({len(errors)} errors, {warnings} warnings)")
-    return 1 if errors else 0
+    sys.stdout.write(dump_yaml(cfg))
+    sys.stdout.write(schedule_comment(cfg))
+    return 0

@@ -20,10 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..config.check import load_checked
     from ..config.schema import RecipeConfig
     from ..model_config import ModelConfigError, init_checkpoint
     from ..rollout.server import RolloutServer, ServerError
-    from .train import load_checked
 
     if args.recipe:
         cfg = load_checked(args.recipe, args.overrides)

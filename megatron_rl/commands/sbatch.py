@@ -37,26 +37,16 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import ConfigError, load_recipe
-    from ..lint import lint
+    from ..config.check import load_checked
     from ..slurm import SbatchError, job_files, render_script, submit, write_job
     from ..slurm.render import job_recipe
 
     if args.nodes is not None and args.nodes < 1:
         print(f"error: --nodes {args.nodes}: parallelism.nodes must be >= 1", file=sys.stderr)
         return 1
-    try:
-        cfg = load_recipe(args.recipe, list(args.overrides) + flag_overrides(args))
-    except ConfigError as exc:
-        print(f"error: invalid recipe {args.recipe}", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 1
-    errors = [f for f in lint(cfg, check_paths=not args.no_check_paths) if f.level == "error"]
-    for finding in errors:
-        print(f"  {finding}", file=sys.stderr)
-    if errors:
-        print(f"error: {args.recipe} has lint errors (see above)", file=sys.stderr)
+    cfg = load_checked(args.recipe, list(args.overrides) + flag_overrides(args),
+                       check_paths=not args.no_check_paths, warnings=False)
+    if cfg is None:
         return 1
     to_stdout = args.output == "-"
     files = job_files(cfg, None if to_stdout else args.output)

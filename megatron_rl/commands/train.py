@@ -10,10 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .recipe import load_or_report
-
 if TYPE_CHECKING:
-    from ..config import RecipeConfig
+    pass
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,35 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_checked(path: str, overrides: list[str]) -> RecipeConfig | None:
-    """Load + lint; print problems and return None when the recipe cannot run."""
-    from ..lint import lint
-
-    cfg = load_or_report(path, overrides)
-    if cfg is None:
-        return None
-    findings = lint(cfg)
-    for f in findings:
-        print(f"  {f}", file=sys.stderr)
-    if any(f.level == "error" for f in findings):
-        print(f"error: {path} has lint errors (see above)", file=sys.stderr)
-        return None
-    return cfg
-
-
 def dry_run(args: argparse.Namespace) -> int:
+    from ..config.check import validate
     from ..preflight import preflight
 
-    cfg = load_or_report(args.recipe, args.overrides)
-    if cfg is None:
-        return 1
-    findings = preflight(cfg, check_paths=not args.no_check_paths, gpu_memory_gb=args.gpu_memory_gb)
-    errors = [f for f in findings if f.level == "error"]
-    for finding in findings:
-        print(f"  {finding}", file=sys.stderr if finding.level == "error" else sys.stdout)
-    verdict = "preflight failed" if errors else "preflight passed"
-    print(f"{args.recipe}: {verdict} ({len(errors)} errors, {len(findings) - len(errors)} warnings)")
-    return 1 if errors else 0
+    return validate(args.recipe, args.overrides, check_paths=not args.no_check_paths,
+                    checks=lambda cfg, check_paths: preflight(cfg, check_paths, args.gpu_memory_gb),
+                    verdicts=("preflight passed", "preflight failed"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,14 +46,15 @@ def run(args: argparse.Namespace) -> int:
     if args.no_check_paths:
         print("error: --no-check-paths only applies to --dry-run (training needs the files)", file=sys.stderr)
         return 1
+    from ..config.check import load_checked
+
     cfg = load_checked(args.recipe, args.overrides)
     if cfg is None:
         return 1
     from ..megatron import cpu_compat
-    from ..slurm.render import gpus_expected
 
     # Before anything is built: a GPU recipe must not quietly train on the CPU.
-    problem = cpu_compat.cuda_problem(gpus_expected(cfg))
+    problem = cpu_compat.cuda_problem(cfg.gpus_per_node)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1

@@ -2,7 +2,9 @@
 
 Field names follow Megatron-LM where one exists (tensor_model_parallel_size, micro_batch_size, ...).
 Value constraints are declared next to the field with `spec(...)` so that the loader can name the
-allowed values in its error messages; cross-field rules live in `lint.py`.
+allowed values in its error messages; cross-field rules live in `rules.py`. Values derived from
+several fields (world size, data-parallel size, expert TP, ...) are properties here, so that every
+user reads the same rule.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def spec(default: Any = None, *, ge: float | None = None, gt: float | None = Non
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     hf_config: str | None = spec(None, path=True)
     """Hugging Face model directory (or its config.json) that defines the architecture."""
@@ -51,7 +53,7 @@ class ModelConfig:
     """For tiny CPU recipes only: HF config fields of a locally built random model (no hub)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelismConfig:
     nodes: int = spec(1, ge=1)
     """Trainer nodes (rollout nodes of a disaggregated layout are counted in `rollout.nodes`)."""
@@ -95,8 +97,27 @@ class ParallelismConfig:
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     """Megatron MoE token dispatcher."""
 
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks: nodes × gpus_per_node."""
+        return self.nodes * self.gpus_per_node
 
-@dataclass
+    @property
+    def expert_tp(self) -> int:
+        """TP degree inside each expert: `expert_tensor_parallel_size`, else the TP size (Megatron's
+        default)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks: world / (TP × PP × CP), at least 1 (a world these do not divide is
+        the lint's `parallel-sizes` error)."""
+        model_parallel = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                          * self.context_parallel_size)
+        return max(1, self.world_size // model_parallel)
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     n: int = spec(8, ge=1)
     """Samples generated per prompt (GRPO's group size G, a.k.a. num_generations)."""
@@ -188,8 +209,14 @@ class RolloutConfig:
     the log-prob gap to the rollout without replay (`mismatch/abs_mean_no_replay`, one extra
     forward of the batch per step)."""
 
+    @property
+    def logprobs_temperature(self) -> float:
+        """Temperature of the log-probs the servers return: `temperature` for 'processed' (of
+        logits/T), 1 for 'raw'."""
+        return self.temperature if self.logprobs_mode == "processed" else 1.0
 
-@dataclass
+
+@dataclass(kw_only=True)
 class ChordConfig:
     mu_peak: float = spec(0.1, ge=0.0, le=1.0)
     """Peak weight μ of the SFT loss."""
@@ -210,7 +237,7 @@ class ChordConfig:
     """How the expert tokens' NLL is aggregated (against the SFT stream's global denominators)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CorrectionConfig:
     mode: Literal["none", "tis_token", "tis_seq", "mask_token", "mask_seq"] = "none"
     """Rollout↔trainer mismatch correction: truncated IS weights or masking, per token or sequence."""
@@ -223,7 +250,7 @@ class CorrectionConfig:
     exact π_old(y)/π_rollout(y)) or their geometric mean (True; does not grow with length)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AlgorithmConfig:
     name: Literal["grpo", "gspo", "gspo_token", "chord"] = "grpo"
     """Policy objective."""
@@ -264,8 +291,19 @@ class AlgorithmConfig:
     chord: ChordConfig = spec(factory=ChordConfig)
     """CHORD settings (used when name is 'chord')."""
 
+    @property
+    def rl_objective(self) -> str:
+        """The objective of the RL term (CHORD delegates to its `chord.rl_objective`)."""
+        return self.chord.rl_objective if self.name == "chord" else self.name
 
-@dataclass
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run has a reference policy: only a KL term reads it (`kl_beta` > 0); the
+        trainer builds none otherwise, whatever `model.reference` says."""
+        return self.kl_beta > 0
+
+
+@dataclass(kw_only=True)
 class LoraConfig:
     rank: int = spec(0, ge=0)
     """LoRA rank; 0 trains the full model. With a rank, the base weights are frozen and only the
@@ -287,7 +325,7 @@ class LoraConfig:
     until it has a code path."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataConfig:
     train_path: str | None = spec(None, path=True)
     """RL prompts (JSONL of the project's prompt schema)."""
@@ -301,7 +339,7 @@ class DataConfig:
     """A malformed JSONL line stops the run (error) or is skipped and counted (skip)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EvaluationConfig:
     interval: int = spec(0, ge=0)
     """Evaluate the policy on `data.eval_path` every N steps, right after the weight sync (0 = never)."""
@@ -312,14 +350,14 @@ class EvaluationConfig:
     rollout's top_p and top_k apply."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RewardsConfig:
     weights: dict[str, float] = spec(factory=dict)
     """Reward → weight; the sample's reward is the weighted sum. A reward is a registered name
     (`mcq_answer`, ...) or `module.path:function` taking (response, sample). Empty = the task's."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainerConfig:
     global_batch_size: int = spec(64, ge=1)
     """Samples (completions) per optimizer step over all DP ranks."""
@@ -370,7 +408,7 @@ class TrainerConfig:
     rollout server and generates; NCCL's default of 10 minutes is shorter than either can take."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointConfig:
     save_interval: int = spec(0, ge=0)
     """Checkpoint every N steps (0 = only at the end and on preemption)."""
@@ -382,7 +420,7 @@ class CheckpointConfig:
     """Write checkpoints in the background (Megatron async dist-checkpointing)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoggingConfig:
     output_dir: str = "runs"
     """Directory under which run dirs are created."""
@@ -396,7 +434,7 @@ class LoggingConfig:
     """Log to Weights & Biases under this project (None = off)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SlurmConfig:
     partition: str | None = None
     """Slurm partition (#SBATCH --partition)."""
@@ -436,7 +474,7 @@ class SlurmConfig:
     """Environment for every task (NCCL/IB settings: NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ContainerConfig:
     runtime: Literal["apptainer", "singularity", "none"] = "apptainer"
     """Container runtime; 'none' runs the same commands on the host (CPU tests)."""
@@ -449,7 +487,7 @@ class ContainerConfig:
     that runs `megatron-rl sbatch` when runtime is 'none'."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RecipeConfig:
     name: str = "recipe"
     """Recipe name (used for run dirs and job names)."""
@@ -482,3 +520,10 @@ class RecipeConfig:
     """Slurm submission."""
     container: ContainerConfig = spec(factory=ContainerConfig)
     """Container image and runtime."""
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs of one node as the job requests them and the preflight checks (0 = a CPU job):
+        `slurm.gpus_per_node`, else `parallelism.gpus_per_node`."""
+        s = self.slurm.gpus_per_node
+        return self.parallelism.gpus_per_node if s is None else s

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +27,36 @@ def prepare_demo_assets(cache: Path, tiny_fields: dict[str, Any], seed: int = 0,
     cache = Path(cache)
     key = json.dumps({"fields": tiny_fields, "seed": seed, "warmup": warmup_steps, "n": [n_train, n_eval],
                       "v": 1}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()
     stamp = cache / ".stamp"
     paths = {"train": cache / "train.jsonl", "eval": cache / "eval.jsonl", "sft": cache / "sft.jsonl",
              "model": cache / "model"}
-    if stamp.is_file() and stamp.read_text() == hashlib.sha256(key.encode()).hexdigest():
+    if stamp.is_file() and stamp.read_text() == digest:
         return paths
+    with _build_lock(cache):
+        if stamp.is_file() and stamp.read_text() == digest:      # another process built it meanwhile
+            return paths
+        _build(cache, paths, tiny_fields, seed, warmup_steps, n_train, n_eval)
+        stamp.write_text(digest)
+    return paths
+
+
+@contextmanager
+def _build_lock(cache: Path) -> Iterator[None]:
+    """One builder at a time per cache dir (two test workers, or two demos, asking at once would
+    otherwise delete the folder under each other). The lock file sits beside the folder, which a
+    build deletes and recreates."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / f".{cache.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(cache: Path, paths: dict[str, Path], tiny_fields: dict[str, Any], seed: int, warmup_steps: int,
+           n_train: int, n_eval: int) -> None:
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
     print(f"[demo] building task data, tokenizer and tiny model in {cache} (once)", flush=True)
@@ -41,8 +69,6 @@ def prepare_demo_assets(cache: Path, tiny_fields: dict[str, Any], seed: int = 0,
     else:
         _warm_up(tok_dir, init_dir, paths, warmup_steps, seed)
     _copy_tokenizer(tok_dir, paths["model"])
-    stamp.write_text(hashlib.sha256(key.encode()).hexdigest())
-    return paths
 
 
 def _warm_up(tok_dir: Path, init_dir: Path, paths: dict[str, Path], steps: int, seed: int) -> None:

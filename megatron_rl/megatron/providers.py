@@ -28,17 +28,13 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
-# The recipe's own parallelism section is the layout a model is built for (no second copy of its
-# fields or defaults); the name stays for the call sites that only build models.
-ParallelLayout = ParallelismConfig
-
 
 def use_transformer_engine() -> bool:
     """TE specs need both the package and a GPU."""
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-ProviderFn = Callable[[dict[str, Any], ParallelLayout, torch.dtype], "ModelRecipe"]
+ProviderFn = Callable[[dict[str, Any], ParallelismConfig, torch.dtype], "ModelRecipe"]
 PROVIDERS: dict[str, ProviderFn] = {}
 
 
@@ -77,7 +73,7 @@ def architecture_of(hf: dict[str, Any]) -> str:
     return archs[0]
 
 
-def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> dict[str, Any]:
+def _common_config(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> dict[str, Any]:
     """TransformerConfig fields shared by the Qwen3 family."""
     return dict(
         num_layers=hf["num_hidden_layers"],
@@ -120,13 +116,13 @@ def _common_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtyp
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel_size or layout.tensor_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tp,
         sequence_parallel=layout.sequence_parallel,
         **recompute_config(layout),
     )
 
 
-def recompute_config(layout: ParallelLayout) -> dict[str, Any]:
+def recompute_config(layout: ParallelismConfig) -> dict[str, Any]:
     """Megatron's activation-recompute fields: method and layer count exist only for 'full'."""
     granularity = layout.recompute_granularity
     if granularity == "none":
@@ -137,7 +133,7 @@ def recompute_config(layout: ParallelLayout) -> dict[str, Any]:
                 recompute_num_layers=layout.recompute_num_layers)
 
 
-def _moe_config(hf: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
+def _moe_config(hf: dict[str, Any], layout: ParallelismConfig) -> dict[str, Any]:
     freq = [int(moe) for moe in moe_layers(hf)]
     return dict(
         num_moe_experts=num_experts(hf),
@@ -179,7 +175,7 @@ def _recipe(hf: dict[str, Any], config: TransformerConfig, spec: Any) -> ModelRe
     )
 
 
-def build_model_recipe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+def build_model_recipe(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
     """The model of `hf` (its absent keys read with transformers' defaults) at `layout`."""
     hf = with_hf_defaults(hf)
     return PROVIDERS[architecture_of(hf)](hf, layout, dtype)

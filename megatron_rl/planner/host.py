@@ -57,8 +57,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.schema import RecipeConfig
-from .memory import DTYPE_BYTES, GB, Hardware, Layout, RolloutMemory, StageMemory, Term
+from ..config.schema import ParallelismConfig, RecipeConfig
+from .memory import (
+    DTYPE_BYTES,
+    GB,
+    Hardware,
+    RolloutMemory,
+    StageMemory,
+    Term,
+    microbatch_tokens,
+    param_bytes,
+    seq_length,
+)
 from .params import ModelParams, Shard
 
 PROCESS_GB = 4.0
@@ -132,38 +142,38 @@ def sample_object_bytes(rows: int, group: int, prompt: float, response: float, p
     return out
 
 
-def checkpoint_share_bytes(params: ModelParams, lay: Layout, gpus_per_node: int, nbytes: int) -> float:
+def checkpoint_share_bytes(params: ModelParams, p: ParallelismConfig, gpus_per_node: int, nbytes: int) -> float:
     """Bytes of the HF checkpoint one node's ranks read: each GPU reads its own shard of the dense
     tensors (TP × PP distinct shards) and of the experts (EP × ETP × PP); a node holds at most
     `gpus_per_node` distinct ones, the rest are data-parallel replicas reading the same pages."""
     dense = sum(b.params for b in params.blocks() if b.shard is not Shard.EXPERT)
     experts = sum(b.params for b in params.blocks() if b.shard is Shard.EXPERT)
-    return nbytes * (dense * min(1.0, gpus_per_node / (lay.tp * lay.pp))
-                     + experts * min(1.0, gpus_per_node / (lay.ep * lay.etp * lay.pp)))
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    return nbytes * (dense * min(1.0, gpus_per_node / (tp * pp))
+                     + experts * min(1.0, gpus_per_node / (p.expert_model_parallel_size * p.expert_tp * pp)))
 
 
-def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, lay: Layout, stage: StageMemory,
+def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemory,
                        prompt: float, response: float, hw: Hardware) -> list[HostTerm]:
-    r, ranks = cfg.rollout, hw.gpus_per_node
+    r, ranks, seq, offload = cfg.rollout, hw.gpus_per_node, seq_length(cfg), cfg.parallelism.optimizer_cpu_offload
     rows = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
     routes = r.routing_replay and params.dims.experts > 0
-    ref = cfg.algorithm.kl_beta > 0
-    tensors = batch_tensor_bytes(rows, lay.seq_length, params, routes, ref)
+    tensors = batch_tensor_bytes(rows, seq, params, routes, cfg.algorithm.uses_reference)
     objects = sample_object_bytes(rows, r.n, prompt, response, params, routes)
-    route_note = f", routes {rows * lay.seq_length * (route_bytes_per_token(params) + 1) / GB:.1f} GB" if routes else ""
-    staging = 4 * stage.host_gb / 12 if lay.optimizer_offload else 0.0
+    route_note = f", routes {rows * seq * (route_bytes_per_token(params) + 1) / GB:.1f} GB" if routes else ""
+    staging = 4 * stage.host_gb / 12 if offload else 0.0
     out = [HostTerm("process", "trainer processes", ranks * PROCESS_GB, f"{ranks} rank(s) × {PROCESS_GB:g} GB"),
            HostTerm("batch", "rollout batch tensors", ranks * tensors / GB,
-                    f"{rows} rows × {lay.seq_length} per rank{route_note}"),
+                    f"{rows} rows × {seq} per rank{route_note}"),
            HostTerm("samples", "rollout samples (Python objects)", ranks * objects / GB,
                     f"{prompt:.0f} + {response:.0f} tokens per sample per rank"),
            HostTerm("cpu_adam", "CPU Adam states + grad staging", ranks * (stage.host_gb + staging),
-                    "optimizer_cpu_offload" if lay.optimizer_offload else "optimizer on the GPU")]
+                    "optimizer_cpu_offload" if offload else "optimizer on the GPU")]
     sync = sync_bytes(params, cfg) / GB if r.weight_transfer == "shm" else 0.0
     lone = r.placement == "colocated" and cfg.parallelism.nodes == 1
     where = "/dev/shm (tmpfs)" if lone else "page cache of the shared run dir" if sync else r.weight_transfer
     out.append(HostTerm("sync_segments", "weight-sync segments (rank 0's node)", sync, where, reclaimable=not lone))
-    share = checkpoint_share_bytes(params, lay, ranks, DTYPE_BYTES[r.dtype])
+    share = checkpoint_share_bytes(params, cfg.parallelism, ranks, DTYPE_BYTES[r.dtype])
     out.append(HostTerm("checkpoint_cache", "checkpoint page cache (start-up)", share / GB,
                         "safetensors mmap of the node's share", reclaimable=True))
     return out
@@ -197,21 +207,21 @@ def largest_tensor(params: ModelParams) -> float:
                      2 * d.hidden * d.moe_intermediate))
 
 
-def gpu_extra_terms(cfg: RecipeConfig, params: ModelParams, lay: Layout, stage: int, in_flight: float) -> list[Term]:
+def gpu_extra_terms(cfg: RecipeConfig, params: ModelParams, stage: int, in_flight: float) -> list[Term]:
     """The terms of `stage` (its worst GPU) outside the model state (module docstring)."""
     r = cfg.rollout
     out: list[Term] = []
     if stage == 0:
-        part = max(GATHER_CHUNK_BYTES, largest_tensor(params) * lay.param_bytes) * 2
+        part = max(GATHER_CHUNK_BYTES, largest_tensor(params) * param_bytes(cfg)) * 2
         packed = NCCL_PACKED_BYTES if r.weight_transfer == "nccl" else 0
         out.append(Term("sync_gather", "weight-sync gather (rank 0)", (part + packed) / GB,
                         "largest part, twice" + (" + NCCL packed buffers" if packed else "")))
     if r.routing_replay and params.dims.experts:
         moe = sum(1 for layer in params.layers if layer.ffn == "moe")
-        ids = lay.microbatch_tokens / lay.cp * moe * params.dims.top_k * 8 * in_flight
+        ids = microbatch_tokens(cfg) / cfg.parallelism.context_parallel_size * moe * params.dims.top_k * 8 * in_flight
         out.append(Term("routes", "routing-replay routes (int64)", ids / GB, f"{in_flight:g} micro-batch(es)"))
-    if stage == lay.pp - 1:
+    if stage == cfg.parallelism.pipeline_model_parallel_size - 1:
         rows = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
-        out.append(Term("gathered_logprobs", "gathered log-probs (fp32)", rows * (lay.seq_length - 1) * 4 / GB,
+        out.append(Term("gathered_logprobs", "gathered log-probs (fp32)", rows * (seq_length(cfg) - 1) * 4 / GB,
                         f"{rows} rows over DP"))
     return out

@@ -18,7 +18,8 @@ embedding; the last holds the output layer and the logits — both are computed,
   `optimizer_cpu_offload` moves states and master weights to host memory (reported, not counted);
 * activations: see `layer_activation_bytes`; per micro-batch, times the micro-batches in flight;
 * logits (last stage): bf16 logits plus fp32 log-softmax over the vocab-parallel shard;
-* reference model: bf16 weights sharded like the actor, whenever `model.reference` is not 'none';
+* reference model: bf16 weights sharded like the actor, whenever the run has one
+  (`algorithm.uses_reference`: a KL term, the trainer's rule);
 * vLLM, when colocated: vLLM claims `gpu_memory_utilization` × the card for weights + KV cache;
 * overhead: OVERHEAD_GB (CUDA context and cuBLAS workspaces ~1 GB, NCCL buffers of the
   TP/PP/DP/EP/CP communicators ~2 GB, caching-allocator fragmentation ~1 GB).
@@ -66,7 +67,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..config.schema import RecipeConfig
+from ..config.schema import LoraConfig, ParallelismConfig, RecipeConfig
 from .lora import StageParams, stage_params
 from .params import Block, Dims, Layer, ModelParams, PlannerError, Shard
 
@@ -89,98 +90,69 @@ class Hardware:
     """RAM of one node (the host verdict's capacity)."""
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The trainer-side numbers of a recipe the memory model needs."""
+# ----------------------------------------------------------------------------- the recipe's numbers
+def seq_length(cfg: RecipeConfig) -> int:
+    """A padded row: max_prompt_length + max_response_length."""
+    return cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
 
-    world: int
-    tp: int
-    pp: int
-    vpp: int | None
-    cp: int
-    ep: int
-    etp: int
-    sp: bool
-    recompute: str
-    recompute_method: str
-    recompute_num_layers: int
-    distributed_optimizer: bool
-    optimizer_offload: bool
-    optimizer_offload_fraction: float
-    micro_batch_size: int
-    global_batch_size: int
-    seq_length: int
-    param_bytes: int
-    reference: bool
-    max_tokens_per_microbatch: int | None = None
-    lora_rank: int = 0
-    """LoRA rank; 0 trains the full model (see `lora.py` for what a frozen base costs)."""
-    lora_targets: tuple[str, ...] = ()
-    base_quantization: str = "none"
-    lora_dropout: float = 0.0
-    """With dropout the adapters' input is a new tensor per adapter, kept with its mask."""
 
-    @classmethod
-    def from_recipe(cls, cfg: RecipeConfig) -> Layout:
-        p, t = cfg.parallelism, cfg.trainer
-        return cls(world=p.nodes * p.gpus_per_node, tp=p.tensor_model_parallel_size,
-                   pp=p.pipeline_model_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
-                   cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-                   etp=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
-                   sp=p.sequence_parallel, recompute=p.recompute_granularity,
-                   recompute_method=p.recompute_method, recompute_num_layers=p.recompute_num_layers,
-                   distributed_optimizer=p.use_distributed_optimizer,
-                   optimizer_offload=p.optimizer_cpu_offload,
-                   optimizer_offload_fraction=p.optimizer_offload_fraction if p.optimizer_cpu_offload else 0.0,
-                   micro_batch_size=t.micro_batch_size,
-                   global_batch_size=t.global_batch_size,
-                   seq_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
-                   param_bytes=DTYPE_BYTES[cfg.model.params_dtype],
-                   reference=cfg.model.reference != "none", max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-                   lora_rank=cfg.lora.rank, lora_targets=tuple(cfg.lora.targets),
-                   base_quantization=cfg.lora.base_quantization, lora_dropout=cfg.lora.dropout)
+def param_bytes(cfg: RecipeConfig) -> int:
+    """Bytes of one parameter in the training dtype."""
+    return DTYPE_BYTES[cfg.model.params_dtype]
 
-    @property
-    def dp(self) -> int:
-        return max(1, self.world // (self.tp * self.pp * self.cp))
 
-    @property
-    def dense_shards(self) -> int:
-        return max(1, self.world // (self.tp * self.pp))
+def dense_shards(p: ParallelismConfig) -> int:
+    """Ranks the distributed optimizer shards a dense parameter over: DP × CP = world / (TP·PP) (CP
+    ranks hold identical weights)."""
+    return max(1, p.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
 
-    @property
-    def expert_dp(self) -> int:
-        return max(1, self.world // (self.pp * self.ep * self.etp))
 
-    @property
-    def microbatch_tokens(self) -> int:
-        """Tokens of the largest micro-batch: the token budget when set (a sample longer than it
-        runs alone), else `micro_batch_size` rows of the full sequence length."""
-        if self.max_tokens_per_microbatch is not None:
-            return max(self.max_tokens_per_microbatch, self.seq_length)
-        return self.micro_batch_size * self.seq_length
+def expert_dp(p: ParallelismConfig) -> int:
+    """The expert-data-parallel group an expert parameter is sharded over: world / (PP·EP·ETP)."""
+    return max(1, p.world_size // (p.pipeline_model_parallel_size * p.expert_model_parallel_size * p.expert_tp))
 
-    @property
-    def num_microbatches(self) -> int:
-        # With a budget the count varies per step; at most one sample per micro-batch.
-        rows = 1 if self.max_tokens_per_microbatch is not None else self.micro_batch_size
-        return max(1, self.global_batch_size // (self.dp * rows))
 
-    def describe(self) -> str:
-        rc = {"full": f"full recompute ({self.recompute_method}, {self.recompute_num_layers})",
-              "selective": "selective recompute", "none": "no recompute"}[self.recompute]
-        vpp = f" VPP{self.vpp}" if self.vpp else ""
-        return (f"TP{self.tp} PP{self.pp}{vpp} CP{self.cp} EP{self.ep} ETP{self.etp}"
-                f"{' SP' if self.sp else ''} DP{self.dp}, {rc}, "
-                f"{'optimizer on CPU' if self.optimizer_offload else 'optimizer on GPU'}, "
-                f"{self._microbatch_words()}, {self.num_microbatches} micro-batches/step"
-                f"{' at most' if self.max_tokens_per_microbatch is not None else ''}")
+def offloaded_fraction(p: ParallelismConfig) -> float:
+    """Share of the optimizer states in host memory (0 unless `optimizer_cpu_offload`)."""
+    return p.optimizer_offload_fraction if p.optimizer_cpu_offload else 0.0
 
-    def _microbatch_words(self) -> str:
-        if self.max_tokens_per_microbatch is None:
-            return f"micro-batch {self.micro_batch_size} × {self.seq_length} tokens"
-        return (f"token budget {self.max_tokens_per_microbatch} per micro-batch (activations sized for "
-                f"{self.microbatch_tokens} tokens, not micro_batch_size × {self.seq_length})")
+
+def microbatch_tokens(cfg: RecipeConfig) -> int:
+    """Tokens of the largest micro-batch: the token budget when set (a sample longer than it
+    runs alone), else `micro_batch_size` rows of the full sequence length."""
+    budget = cfg.trainer.max_tokens_per_microbatch
+    if budget is not None:
+        return max(budget, seq_length(cfg))
+    return cfg.trainer.micro_batch_size * seq_length(cfg)
+
+
+def num_microbatches(cfg: RecipeConfig) -> int:
+    # With a budget the count varies per step; at most one sample per micro-batch.
+    t = cfg.trainer
+    rows = 1 if t.max_tokens_per_microbatch is not None else t.micro_batch_size
+    return max(1, t.global_batch_size // (cfg.parallelism.data_parallel_size * rows))
+
+
+def describe(cfg: RecipeConfig) -> str:
+    """The trainer's layout in one line (`plan`'s header and JSON `layout`)."""
+    p = cfg.parallelism
+    rc = {"full": f"full recompute ({p.recompute_method}, {p.recompute_num_layers})",
+          "selective": "selective recompute", "none": "no recompute"}[p.recompute_granularity]
+    vpp = f" VPP{p.virtual_pipeline_model_parallel_size}" if p.virtual_pipeline_model_parallel_size else ""
+    return (f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size}{vpp} "
+            f"CP{p.context_parallel_size} EP{p.expert_model_parallel_size} ETP{p.expert_tp}"
+            f"{' SP' if p.sequence_parallel else ''} DP{p.data_parallel_size}, {rc}, "
+            f"{'optimizer on CPU' if p.optimizer_cpu_offload else 'optimizer on GPU'}, "
+            f"{_microbatch_words(cfg)}, {num_microbatches(cfg)} micro-batches/step"
+            f"{' at most' if cfg.trainer.max_tokens_per_microbatch is not None else ''}")
+
+
+def _microbatch_words(cfg: RecipeConfig) -> str:
+    budget, seq = cfg.trainer.max_tokens_per_microbatch, seq_length(cfg)
+    if budget is None:
+        return f"micro-batch {cfg.trainer.micro_batch_size} × {seq} tokens"
+    return (f"token budget {budget} per micro-batch (activations sized for "
+            f"{microbatch_tokens(cfg)} tokens, not micro_batch_size × {seq})")
 
 
 @dataclass(frozen=True)
@@ -250,45 +222,49 @@ MIXER_ACTIVATIONS: dict[str, Callable[[Dims, bool], float]] = {
 }
 
 
-def layer_activation_bytes(layer: Layer, params: ModelParams, lay: Layout) -> float:
+def layer_activation_bytes(layer: Layer, params: ModelParams, cfg: RecipeConfig) -> float:
     """Bytes one micro-batch leaves on one GPU for this layer without recompute."""
-    d, gated = params.dims, params.spec.gated_attention
-    tokens = lay.microbatch_tokens / lay.cp
-    r = lay.tp if lay.sp else 1
-    per_token = 4 * d.hidden / r + MIXER_ACTIVATIONS[layer.mixer](d, gated) / lay.tp
-    extra = tokens * lora_dropout_bytes_per_token(layer, d, lay)
+    d, gated, p = params.dims, params.spec.gated_attention, cfg.parallelism
+    tp, etp = p.tensor_model_parallel_size, p.expert_tp
+    tokens = microbatch_tokens(cfg) / p.context_parallel_size
+    r = tp if p.sequence_parallel else 1
+    per_token = 4 * d.hidden / r + MIXER_ACTIVATIONS[layer.mixer](d, gated) / tp
+    extra = tokens * lora_dropout_bytes_per_token(layer, d, cfg)
     if layer.ffn == "dense":
-        return 2 * tokens * (per_token + 3 * d.intermediate / lay.tp) + extra
-    per_token += 2 * d.experts / r + (3 * d.shared_intermediate / lay.tp + d.hidden / r
+        return 2 * tokens * (per_token + 3 * d.intermediate / tp) + extra
+    per_token += 2 * d.experts / r + (3 * d.shared_intermediate / tp + d.hidden / r
                                       if d.shared_intermediate else 0)
-    routed = d.top_k * lay.etp * (2 * d.hidden + 3 * d.moe_intermediate / lay.etp)
+    routed = d.top_k * etp * (2 * d.hidden + 3 * d.moe_intermediate / etp)
     return 2 * tokens * per_token + 2 * (tokens / r) * routed + extra
 
 
-def lora_dropout_bytes_per_token(layer: Layer, d: Dims, lay: Layout) -> float:
+def lora_dropout_bytes_per_token(layer: Layer, d: Dims, cfg: RecipeConfig) -> float:
     """LoRA dropout (`lora.dropout` > 0) on a full-attention layer: each of q, k, v keeps its own
     dropped copy of the layer input (bf16) and its bool mask (the sequence chunk under SP), o one of
     its TP share of the attention output; without dropout the adapters read the base's saved input."""
-    if not (lay.lora_rank and lay.lora_dropout > 0 and layer.mixer == "full_attention"):
+    lo, p = cfg.lora, cfg.parallelism
+    if not (lo.rank and lo.dropout > 0 and layer.mixer == "full_attention"):
         return 0.0
-    per_element = lay.param_bytes + 1
-    r = lay.tp if lay.sp else 1
-    qkv = sum(t in lay.lora_targets for t in ("q", "k", "v")) * d.hidden / r
-    o = d.heads * d.head_dim / lay.tp if "o" in lay.lora_targets else 0.0
+    per_element = param_bytes(cfg) + 1
+    tp = p.tensor_model_parallel_size
+    r = tp if p.sequence_parallel else 1
+    qkv = sum(t in lo.targets for t in ("q", "k", "v")) * d.hidden / r
+    o = d.heads * d.head_dim / tp if "o" in lo.targets else 0.0
     return per_element * (qkv + o)
 
 
-def stage_activation_bytes(layers: Sequence[Layer], params: ModelParams, lay: Layout,
+def stage_activation_bytes(layers: Sequence[Layer], params: ModelParams, cfg: RecipeConfig,
                            in_flight: float) -> float:
-    full = [layer_activation_bytes(layer, params, lay) for layer in layers]
+    full = [layer_activation_bytes(layer, params, cfg) for layer in layers]
     if not full:
         return 0.0
-    tokens = lay.microbatch_tokens / lay.cp
-    checkpoint = 2 * tokens * params.dims.hidden / (lay.tp if lay.sp else 1)
-    n = max(1, lay.recompute_num_layers)
-    if lay.recompute != "full":
+    p = cfg.parallelism
+    tokens = microbatch_tokens(cfg) / p.context_parallel_size
+    checkpoint = 2 * tokens * params.dims.hidden / (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+    n = max(1, p.recompute_num_layers)
+    if p.recompute_granularity != "full":
         stored, working = sum(full), max(full)
-    elif lay.recompute_method == "uniform":
+    elif p.recompute_method == "uniform":
         chunks = [full[i:i + n] for i in range(0, len(full), n)]
         stored, working = len(chunks) * checkpoint, max(sum(c) for c in chunks)
     else:
@@ -297,80 +273,86 @@ def stage_activation_bytes(layers: Sequence[Layer], params: ModelParams, lay: La
     return stored * in_flight + working
 
 
-def in_flight_microbatches(lay: Layout, stage: int) -> float:
-    count = float(min(lay.pp - stage, lay.num_microbatches))
-    if lay.vpp and stage == 0 and lay.pp > 1:
-        count *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
+def in_flight_microbatches(cfg: RecipeConfig, stage: int) -> float:
+    pp, vpp = cfg.parallelism.pipeline_model_parallel_size, cfg.parallelism.virtual_pipeline_model_parallel_size
+    count = float(min(pp - stage, num_microbatches(cfg)))
+    if vpp and stage == 0 and pp > 1:
+        count *= 1 + (pp - 1) / (pp * vpp)
     return count
 
 
 # ----------------------------------------------------------------------------- trainer terms
-def _sharded(blocks: Sequence[Block], lay: Layout) -> tuple[float, float]:
-    dense = sum(b.per_gpu(lay.tp, lay.ep, lay.etp) for b in blocks if b.shard is not Shard.EXPERT)
-    expert = sum(b.per_gpu(lay.tp, lay.ep, lay.etp) for b in blocks if b.shard is Shard.EXPERT)
+def _sharded(blocks: Sequence[Block], p: ParallelismConfig) -> tuple[float, float]:
+    tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tp
+    dense = sum(b.per_gpu(tp, ep, etp) for b in blocks if b.shard is not Shard.EXPERT)
+    expert = sum(b.per_gpu(tp, ep, etp) for b in blocks if b.shard is Shard.EXPERT)
     return dense, expert
 
 
-def optimizer_bytes(dense: float, expert: float, lay: Layout) -> float:
-    per_param = ADAM_STATE_BYTES + (MASTER_WEIGHT_BYTES if lay.param_bytes < 4 else 0)
-    if not lay.distributed_optimizer:
+def optimizer_bytes(dense: float, expert: float, cfg: RecipeConfig) -> float:
+    p = cfg.parallelism
+    per_param = ADAM_STATE_BYTES + (MASTER_WEIGHT_BYTES if param_bytes(cfg) < 4 else 0)
+    if not p.use_distributed_optimizer:
         return per_param * (dense + expert)
-    return per_param * (dense / lay.dense_shards + expert / lay.expert_dp)
+    return per_param * (dense / dense_shards(p) + expert / expert_dp(p))
 
 
 ExtraTerms = Callable[[int, float], Sequence[Term]]
 """(stage, in-flight micro-batches) → GPU terms outside the model state (`host.gpu_extra_terms`)."""
 
 
-def stage_memory(params: ModelParams, lay: Layout, stage: int, colocated_vllm_gb: float,
+def stage_memory(params: ModelParams, cfg: RecipeConfig, stage: int, colocated_vllm_gb: float,
                  extra: ExtraTerms | None = None) -> StageMemory:
-    layers, blocks = stage_blocks(params, stage, lay.pp)
-    dense, expert = _sharded(blocks, lay)
+    p, lo, nbytes = cfg.parallelism, cfg.lora, param_bytes(cfg)
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    layers, blocks = stage_blocks(params, stage, pp)
+    dense, expert = _sharded(blocks, p)
     n = dense + expert
-    sp = stage_params(params, layers, blocks, lay.tp, lay.ep, lay.etp, lay.param_bytes, lay.lora_rank,
-                      lay.lora_targets, lay.base_quantization)
+    sp = stage_params(params, layers, blocks, tp, p.expert_model_parallel_size, p.expert_tp, nbytes, lo.rank,
+                      tuple(lo.targets), lo.base_quantization)
     trained = sp.trainable_dense + sp.trainable_expert
-    optimizer = optimizer_bytes(sp.trainable_dense, sp.trainable_expert, lay)
-    on_host = optimizer * lay.optimizer_offload_fraction
-    acts = stage_activation_bytes(layers, params, lay, in_flight_microbatches(lay, stage))
+    optimizer = optimizer_bytes(sp.trainable_dense, sp.trainable_expert, cfg)
+    on_host = optimizer * offloaded_fraction(p)
+    in_flight = in_flight_microbatches(cfg, stage)
+    acts = stage_activation_bytes(layers, params, cfg, in_flight)
     logits = 0.0
-    if stage == lay.pp - 1:
-        logits = 6 * lay.microbatch_tokens / lay.cp * params.dims.vocab / lay.tp
+    if stage == pp - 1:
+        logits = 6 * microbatch_tokens(cfg) / p.context_parallel_size * params.dims.vocab / tp
     terms = [
-        Term("weights", "actor weights", sp.weight_bytes / GB, _weights_note(n, sp, lay)),
+        Term("weights", "actor weights", sp.weight_bytes / GB, _weights_note(n, sp, lo)),
         Term("gradients", "gradients (fp32 main grads)", trained * GRAD_BYTES / GB),
         Term("optimizer", "optimizer (Adam m, v, fp32 master)",
              (optimizer - on_host) / GB,
-             f"offloaded: {on_host / GB:.1f} GB in host memory" if lay.optimizer_offload else ""),
+             f"offloaded: {on_host / GB:.1f} GB in host memory" if p.optimizer_cpu_offload else ""),
         Term("activations", "activations", acts / GB,
-             f"{len(layers)} layers × {in_flight_microbatches(lay, stage):g} micro-batch(es) "
-             "in flight"),
+             f"{len(layers)} layers × {in_flight:g} micro-batch(es) in flight"),
         Term("logits", "logits (last stage)", logits / GB),
         # With LoRA the reference is the base with the adapters off: no second copy.
         Term("reference", "reference model (bf16)",
-             n * lay.param_bytes / GB if lay.reference and not lay.lora_rank else 0.0),
+             n * nbytes / GB if cfg.algorithm.uses_reference and not lo.rank else 0.0),
         Term("dequantized", "dequantized base weight (transient)", sp.transient_bytes / GB),
         Term("vllm", "vLLM (colocated)", colocated_vllm_gb),
         Term("overhead", "CUDA context, NCCL, fragmentation", OVERHEAD_GB),
-        *(extra(stage, in_flight_microbatches(lay, stage)) if extra else ()),
+        *(extra(stage, in_flight) if extra else ()),
     ]
     return StageMemory(stage, len(layers), tuple(terms), on_host / GB)
 
 
-def _weights_note(n: float, sp: StageParams, lay: Layout) -> str:
-    if not lay.lora_rank:
+def _weights_note(n: float, sp: StageParams, lo: LoraConfig) -> str:
+    if not lo.rank:
         return f"{n / 1e9:.2f} B params on this GPU"
-    quant = f", {sp.quantized / 1e9:.2f} B of it in {lay.base_quantization}" if sp.quantized else ""
+    quant = f", {sp.quantized / 1e9:.2f} B of it in {lo.base_quantization}" if sp.quantized else ""
     return (f"frozen base {sp.frozen / 1e9:.2f} B params{quant}; "
-            f"LoRA r{lay.lora_rank} adapters {sp.trainable_dense / 1e6:.1f} M")
+            f"LoRA r{lo.rank} adapters {sp.trainable_dense / 1e6:.1f} M")
 
 
-def worst_stage(params: ModelParams, lay: Layout, colocated_vllm_gb: float,
+def worst_stage(params: ModelParams, cfg: RecipeConfig, colocated_vllm_gb: float,
                 extra: ExtraTerms | None = None) -> StageMemory:
-    if lay.pp > len(params.layers):
-        raise PlannerError(f"pipeline size {lay.pp} exceeds the model's {len(params.layers)} layers")
-    stages = {0, lay.pp - 1}
-    return max((stage_memory(params, lay, s, colocated_vllm_gb, extra) for s in sorted(stages)),
+    pp = cfg.parallelism.pipeline_model_parallel_size
+    if pp > len(params.layers):
+        raise PlannerError(f"pipeline size {pp} exceeds the model's {len(params.layers)} layers")
+    stages = {0, pp - 1}
+    return max((stage_memory(params, cfg, s, colocated_vllm_gb, extra) for s in sorted(stages)),
                key=lambda m: m.total_gb)
 
 

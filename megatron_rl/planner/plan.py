@@ -28,13 +28,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..config.rules import RULES
 from ..config.schema import ParallelismConfig, RecipeConfig
-from ..lint import RULES
 from .gpus import gpu
 from .host import NodeMemory, gpu_extra_terms, trainer_host_terms, vllm_host_terms
 from .memory import (
     Hardware,
-    Layout,
     RolloutMemory,
     StageMemory,
     reserved_by_colocated_vllm,
@@ -53,7 +52,8 @@ LAYOUT_RULES: tuple[str, ...] = ("parallel-sizes", "batch-sizes")
 
 @dataclass(frozen=True)
 class Estimate:
-    layout: Layout
+    cfg: RecipeConfig
+    """The recipe (its layout) this estimates."""
     stage: StageMemory
     rollout: RolloutMemory
     capacity_gb: float
@@ -123,19 +123,18 @@ def estimate(cfg: RecipeConfig, params: ModelParams, hw: Hardware, problems: tup
              workload: Workload | None = None, rollout: Phase | None = None) -> Estimate:
     """Memory of every node role and, given a `workload`, the step's seconds (`rollout`: the
     rollout phase when already computed: it does not depend on the trainer's layout)."""
-    lay = Layout.from_recipe(cfg)
-    stage = worst_stage(params, lay, reserved_by_colocated_vllm(cfg, hw),
-                        lambda s, in_flight: gpu_extra_terms(cfg, params, lay, s, in_flight))
+    stage = worst_stage(params, cfg, reserved_by_colocated_vllm(cfg, hw),
+                        lambda s, in_flight: gpu_extra_terms(cfg, params, s, in_flight))
     ro = rollout_memory(params, cfg, hw)
     wl = workload or Workload.of(cfg)
-    nodes = node_roles(cfg, params, lay, stage, ro, wl, hw)
-    time = step_time(params, cfg, lay, ro, wl, gpu(hw.gpu), hw, rollout=rollout) if workload else None
-    return Estimate(lay, stage, ro, hw.gpu_memory_gb, problems, nodes, time)
+    nodes = node_roles(cfg, params, stage, ro, wl, hw)
+    time = step_time(params, cfg, ro, wl, gpu(hw.gpu), hw, rollout=rollout) if workload else None
+    return Estimate(cfg, stage, ro, hw.gpu_memory_gb, problems, nodes, time)
 
 
-def node_roles(cfg: RecipeConfig, params: ModelParams, lay: Layout, stage: StageMemory, ro: RolloutMemory,
+def node_roles(cfg: RecipeConfig, params: ModelParams, stage: StageMemory, ro: RolloutMemory,
                wl: Workload, hw: Hardware) -> tuple[NodeMemory, ...]:
-    trainer = trainer_host_terms(cfg, params, lay, stage, wl.prompt_tokens, wl.response_tokens, hw)
+    trainer = trainer_host_terms(cfg, params, stage, wl.prompt_tokens, wl.response_tokens, hw)
     capacity = hw.gpu_memory_gb
     fits = stage.total_gb <= capacity
     if cfg.rollout.placement == "colocated":
@@ -149,7 +148,7 @@ def node_roles(cfg: RecipeConfig, params: ModelParams, lay: Layout, stage: Stage
 
 def candidates(cfg: RecipeConfig, params: ModelParams) -> Iterator[ParallelismConfig]:
     p, d = cfg.parallelism, params.dims
-    world = p.nodes * p.gpus_per_node
+    world = p.world_size
     tps = [t for t in TP_CHOICES if t <= p.gpus_per_node]
     pps = [n for n in range(1, MAX_PP + 1) if d.layers % n == 0]
     eps = [e for e in range(1, d.experts + 1) if d.experts % e == 0 and e <= world] or [1]
@@ -169,7 +168,7 @@ def cost(p: ParallelismConfig, est: Estimate, gpus_per_node: int, rank: str = "m
     if rank == "time" and est.time is not None:
         return (round(est.time.seconds, 1), -est.margin_gb)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    expert_span = p.expert_model_parallel_size * (p.expert_tensor_parallel_size or tp)
+    expert_span = p.expert_model_parallel_size * p.expert_tp
     return (float(p.optimizer_cpu_offload), float(p.recompute_granularity == "full"), float(tp * pp),
             float(pp), float(expert_span > gpus_per_node), float(expert_span), -est.margin_gb)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .host import NodeMemory
-from .memory import RolloutMemory
+from .memory import RolloutMemory, describe
 from .plan import SAFE_MARGIN_PCT, Estimate, Plan, Suggestion
 from .timing import StepTime
 
@@ -76,9 +76,9 @@ def render(plan: Plan) -> str:
     lines = [f"plan: {plan.recipe}",
              f"model: {prm.architecture}, {prm.total / 1e9:.2f} B parameters "
              f"({prm.active / 1e9:.2f} B active per token)",
-             f"trainer: {est.layout.world // hw.gpus_per_node} nodes × {hw.gpus_per_node} GPUs × "
-             f"{hw.gpu_memory_gb:g} GB; {est.layout.describe()}",
-             f"worst GPU: pipeline stage {est.stage.stage} of {est.layout.pp} "
+             f"trainer: {est.cfg.parallelism.world_size // hw.gpus_per_node} nodes × {hw.gpus_per_node} GPUs × "
+             f"{hw.gpu_memory_gb:g} GB; {describe(est.cfg)}",
+             f"worst GPU: pipeline stage {est.stage.stage} of {est.cfg.parallelism.pipeline_model_parallel_size} "
              f"({est.stage.num_layers} layers)", "",
              f"  {'term':<36} {'GB/GPU':>7}  note"]
     lines += [f"  {t.label:<36} {t.gb:>7.2f}  {t.note}" for t in est.stage.terms]
@@ -98,7 +98,7 @@ def render(plan: Plan) -> str:
 def _estimate_json(est: Estimate) -> dict[str, Any]:
     r = est.rollout
     return {
-        "layout": est.layout.describe(),
+        "layout": describe(est.cfg),
         "stage": est.stage.stage,
         "stage_layers": est.stage.num_layers,
         "terms_gb": {t.key: round(t.gb, 3) for t in est.stage.terms},

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from ..config.schema import RecipeConfig
 from .gpus import HOST_STEP_OVERHEAD_S, IB_LATENCY_S, NVLINK_LATENCY_S, SHARED_FS_GB_S, GpuSpec
 from .host import sync_bytes
-from .memory import DTYPE_BYTES, GB, Hardware, Layout, RolloutMemory
+from .memory import DTYPE_BYTES, GB, Hardware, RolloutMemory, dense_shards, expert_dp, seq_length
 from .params import ModelParams, Shard
 
 GOLDEN = 0.6180339887498949
@@ -285,68 +285,78 @@ def _forward_flops(params: ModelParams, rows: float, seq: float) -> float:
     return rows * (2 * matmul * seq + 2 * seq * seq * d.heads * d.head_dim * full)
 
 
-def _microbatches(lay: Layout, rows: float, seq: float) -> float:
-    per_rank = rows / lay.dp
-    if lay.max_tokens_per_microbatch is not None:
-        return max(1.0, math.ceil(per_rank * seq / max(lay.max_tokens_per_microbatch, seq)))
-    return max(1.0, per_rank / lay.micro_batch_size)
+def _microbatches(cfg: RecipeConfig, rows: float, seq: float) -> float:
+    t = cfg.trainer
+    per_rank = rows / cfg.parallelism.data_parallel_size
+    if t.max_tokens_per_microbatch is not None:
+        return max(1.0, math.ceil(per_rank * seq / max(t.max_tokens_per_microbatch, seq)))
+    return max(1.0, per_rank / t.micro_batch_size)
 
 
-def _bubble(lay: Layout, microbatches: float) -> float:
-    return (lay.pp - 1) / (microbatches * (lay.vpp or 1)) if lay.pp > 1 else 0.0
+def _bubble(cfg: RecipeConfig, microbatches: float) -> float:
+    pp, vpp = cfg.parallelism.pipeline_model_parallel_size, cfg.parallelism.virtual_pipeline_model_parallel_size
+    return (pp - 1) / (microbatches * (vpp or 1)) if pp > 1 else 0.0
 
 
-def _computed_tokens(lay: Layout, wl: Workload) -> float:
+def _computed_tokens(cfg: RecipeConfig, wl: Workload) -> float:
     """Tokens a row costs the trainer: its own with a token budget (rows cut to their longest),
     the padded `seq_length` without."""
-    return wl.sequence_tokens if lay.max_tokens_per_microbatch is not None else float(lay.seq_length)
+    return wl.sequence_tokens if cfg.trainer.max_tokens_per_microbatch is not None else float(seq_length(cfg))
 
 
-def logprob_seconds(params: ModelParams, cfg: RecipeConfig, lay: Layout, wl: Workload, g: GpuSpec) -> Phase:
+def _compute_seconds(flops: float, cfg: RecipeConfig, rows: float, seq: float, g: GpuSpec) -> float:
+    """`flops` over every trainer GPU at the training MFU, plus the pipeline's fill and drain."""
+    world = cfg.parallelism.world_size
+    return flops / (world * g.peak_flops * g.train_mfu) * (1 + _bubble(cfg, _microbatches(cfg, rows, seq)))
+
+
+def logprob_seconds(params: ModelParams, cfg: RecipeConfig, wl: Workload, g: GpuSpec) -> Phase:
     rows = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
-    seq = _computed_tokens(lay, wl)
-    # π_ref exists when the KL term does (train/policy.py); with LoRA it is the base, one more forward.
-    passes = 1 + int(cfg.algorithm.kl_beta > 0) + int(cfg.rollout.routing_replay and
-                                                    cfg.rollout.routing_replay_diagnostics)
+    seq = _computed_tokens(cfg, wl)
+    # π_ref exists when the KL term does (the trainer's rule); with LoRA it is the base, one more forward.
+    passes = 1 + int(cfg.algorithm.uses_reference) + int(cfg.rollout.routing_replay and
+                                                       cfg.rollout.routing_replay_diagnostics)
     flops = passes * _forward_flops(params, rows, seq)
-    seconds = flops / (lay.world * g.peak_flops * g.train_mfu) * (1 + _bubble(lay, _microbatches(lay, rows, seq)))
+    seconds = _compute_seconds(flops, cfg, rows, seq, g)
     names = "π_old" + (", π_ref" if passes > 1 else "") + (", no-replay" if passes > 2 else "")
     return Phase("logprobs", "log-probs (forward)", seconds, f"{names} over {rows} rows × {seq:.0f} tokens")
 
 
-def train_seconds(params: ModelParams, cfg: RecipeConfig, lay: Layout, wl: Workload, g: GpuSpec,
-                  hw: Hardware) -> Phase:
+def train_seconds(params: ModelParams, cfg: RecipeConfig, wl: Workload, g: GpuSpec, hw: Hardware) -> Phase:
     spg, rows = cfg.algorithm.steps_per_generation, cfg.trainer.global_batch_size
-    seq = _computed_tokens(lay, wl)
-    recompute = lay.recompute == "full"
+    seq = _computed_tokens(cfg, wl)
+    recompute = cfg.parallelism.recompute_granularity == "full"
     forward = _forward_flops(params, rows, seq)
     if cfg.algorithm.name == "chord":
         forward += _forward_flops(params, cfg.algorithm.chord.sft_batch_size, seq)
     # A forward, the backward's activation gradients (one more) and, unless LoRA freezes the base,
     # its weight gradients (one more); full recompute repeats the forward.
-    passes = (2 if lay.lora_rank else 3) + int(recompute)
+    passes = (2 if cfg.lora.rank else 3) + int(recompute)
     flops = forward * passes
-    compute = flops / (lay.world * g.peak_flops * g.train_mfu) * (1 + _bubble(lay, _microbatches(lay, rows, seq)))
-    optimizer = optimizer_seconds(params, lay, g, hw)
+    compute = _compute_seconds(flops, cfg, rows, seq, g)
+    optimizer = optimizer_seconds(params, cfg, g, hw)
     note = (f"{spg} × ({rows} rows × {seq:.0f} tokens, {passes} passes, "
             f"{compute:.1f} s + optimizer {optimizer:.1f} s)")
     return Phase("train", "train (forward, backward, optimizer)", spg * (compute + optimizer), note)
 
 
-def optimizer_seconds(params: ModelParams, lay: Layout, g: GpuSpec, hw: Hardware) -> float:
+def optimizer_seconds(params: ModelParams, cfg: RecipeConfig, g: GpuSpec, hw: Hardware) -> float:
     """One optimizer step: data-parallel gradient reduce-scatter (fp32) and weight all-gather (bf16),
     then Adam (on the GPU: negligible; on the host: PCIe both ways and host memory bandwidth)."""
-    if lay.lora_rank:
+    if cfg.lora.rank:
         return 0.0               # adapters: MBs
-    dense = sum(b.params for b in params.blocks() if b.shard is not Shard.EXPERT) / (lay.tp * lay.pp)
-    expert = sum(b.params for b in params.blocks() if b.shard is Shard.EXPERT) / (lay.ep * lay.etp * lay.pp)
-    link = (g.ib_gb_s if lay.world > hw.gpus_per_node else g.nvlink_gb_s) * 1e9
+    p = cfg.parallelism
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dense = sum(b.params for b in params.blocks() if b.shard is not Shard.EXPERT) / (tp * pp)
+    expert = sum(b.params for b in params.blocks() if b.shard is Shard.EXPERT) / (p.expert_model_parallel_size
+                                                                                   * p.expert_tp * pp)
+    link = (g.ib_gb_s if p.world_size > hw.gpus_per_node else g.nvlink_gb_s) * 1e9
     seconds = 0.0
-    for count, group in ((dense, lay.dense_shards), (expert, lay.expert_dp)):
+    for count, group in ((dense, dense_shards(p)), (expert, expert_dp(p))):
         if group > 1:
             seconds += (group - 1) / group * count * (4 + 2) / link
-    shard = dense / lay.dense_shards + expert / lay.expert_dp
-    if lay.optimizer_offload:
+    shard = dense / dense_shards(p) + expert / expert_dp(p)
+    if p.optimizer_cpu_offload:
         seconds += shard * (4 + 2) / (g.pcie_gb_s * 1e9)
         seconds += shard * ADAM_HOST_BYTES_PER_PARAM * hw.gpus_per_node / (g.host_memory_bw_gb_s * 1e9)
     return seconds
@@ -387,13 +397,13 @@ def job_gpus(cfg: RecipeConfig) -> int:
     return (p.nodes + (r.nodes if r.placement == "disaggregated" else 0)) * p.gpus_per_node
 
 
-def step_time(params: ModelParams, cfg: RecipeConfig, lay: Layout, ro: RolloutMemory, wl: Workload, g: GpuSpec,
-              hw: Hardware, modelled: tuple[str, ...] = (), rollout: Phase | None = None) -> StepTime:
+def step_time(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, wl: Workload, g: GpuSpec, hw: Hardware,
+              modelled: tuple[str, ...] = (), rollout: Phase | None = None) -> StepTime:
     note = rollout_engines(cfg, hw)[1]
     if rollout is None:
         rollout, note = rollout_seconds(params, cfg, ro, wl, g, hw)
-    phases = (rollout, sleep_seconds(cfg, ro, g), logprob_seconds(params, cfg, lay, wl, g),
-              train_seconds(params, cfg, lay, wl, g, hw), sync_seconds(params, cfg, ro, g, hw))
+    phases = (rollout, sleep_seconds(cfg, ro, g), logprob_seconds(params, cfg, wl, g),
+              train_seconds(params, cfg, wl, g, hw), sync_seconds(params, cfg, ro, g, hw))
     samples = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
     extra = modelled + ((note,) if note else ())
     return StepTime(g.name, phases, job_gpus(cfg), samples * wl.sequence_tokens, extra)

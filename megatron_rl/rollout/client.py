@@ -4,7 +4,7 @@ Prompts go in as token ids and samples come back as token ids (`return_tokens_as
 nothing is re-tokenized between rollout and trainer. Which log-probs the server returns is fixed
 by the server's `--logprobs-mode`: `processed` = log-softmax(logits / T), the behaviour policy of a
 tempered rollout, which the trainer then recomputes at the same temperature; `raw` = of the
-untempered logits (the trainer uses T = 1). `logprobs_temperature` says which.
+untempered logits (the trainer uses T = 1). `RolloutConfig.logprobs_temperature` says which.
 
 Sampling is the recipe's `RolloutConfig` itself (n, temperature, top_p, top_k,
 max_response_length); a caller that needs other values passes a `dataclasses.replace` of it, and
@@ -30,11 +30,6 @@ if TYPE_CHECKING:
 
 class RolloutError(RuntimeError):
     """A request failed after all retries."""
-
-
-def logprobs_temperature(rollout: RolloutConfig) -> float:
-    """Temperature at which the server's returned log-probs were computed (`logprobs_mode`)."""
-    return rollout.temperature if rollout.logprobs_mode == "processed" else 1.0
 
 
 class RolloutClient:

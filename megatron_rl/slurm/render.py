@@ -106,12 +106,6 @@ def parse_time_limit(text: str) -> int | None:
     return ((days * 24 + h) * 60 + m) * 60 + s
 
 
-def gpus_expected(cfg: RecipeConfig) -> int:
-    """GPUs per node the job requests and the preflight checks (0 = a CPU job)."""
-    g = cfg.slurm.gpus_per_node
-    return cfg.parallelism.gpus_per_node if g is None else g
-
-
 def total_nodes(cfg: RecipeConfig) -> int:
     r = cfg.rollout
     return cfg.parallelism.nodes + (r.nodes if r.placement == "disaggregated" else 0)
@@ -209,8 +203,8 @@ def sbatch_lines(cfg: RecipeConfig, files: JobFiles) -> list[str]:
         lines.append(f"--cpus-per-task={s.cpus_per_task}")
     if s.mem is not None:
         lines.append(f"--mem={s.mem}")
-    if gpus_expected(cfg):
-        lines.append(f"--gpus-per-node={gpus_expected(cfg)}")
+    if cfg.gpus_per_node:
+        lines.append(f"--gpus-per-node={cfg.gpus_per_node}")
     lines.append(f"--time={q(s.time_limit)}")
     lines += [f"--{opt}={q(value)}" for opt, value in (("partition", s.partition), ("account", s.account),
                                                        ("qos", s.qos)) if value]
@@ -229,7 +223,7 @@ def container_words(cfg: RecipeConfig) -> list[str]:
     if c.runtime == "none":
         return []
     words = [c.runtime, "exec"]
-    if gpus_expected(cfg):
+    if cfg.gpus_per_node:
         words.append("--nv")
     for bind in c.binds:
         words += ["--bind", bind]
@@ -252,10 +246,10 @@ def settings_lines(cfg: RecipeConfig, files: JobFiles) -> list[str]:
         ("ROLLOUT_NODES", str(r.nodes if r.placement == "disaggregated" else 0),
          f"rollout.nodes (placement: {r.placement})"),
         ("PROCS_PER_NODE", str(p.gpus_per_node), "parallelism.gpus_per_node"),
-        ("GPUS_EXPECTED", str(gpus_expected(cfg)), "slurm.gpus_per_node (0 = CPU job)"),
+        ("GPUS_EXPECTED", str(cfg.gpus_per_node), "slurm.gpus_per_node (0 = CPU job)"),
         ("CPUS_PER_TASK", str(s.cpus_per_task or 0), "slurm.cpus_per_task (0 = every CPU of the node)"),
         ("SERVER_CPUS", str(colocated_server_cpus(cfg)), "CPUs the trainer ranks leave to a colocated vLLM server"),
-        ("NUMA_BINDING", q(s.numa_binding if gpus_expected(cfg) else "none"),
+        ("NUMA_BINDING", q(s.numa_binding if cfg.gpus_per_node else "none"),
          "slurm.numa_binding (GPU jobs only)"),
         ("NODE_MEM", q(str(s.mem) if s.mem is not None else "site default"), "slurm.mem (0 = all of the node's)"),
         ("KEEP_OMP_THREADS", "1" if "OMP_NUM_THREADS" in s.env else "0", "slurm.env sets OMP_NUM_THREADS"),

@@ -3,7 +3,7 @@ reseeded, asked for the step's rollout groups and the periodic evaluation, and s
 weights, which they must then prove they hold (`verification`).
 
 Where the servers live. Colocated (the default), each node's first rank (LOCAL_RANK 0) starts the
-node's server on that node's GPUs (TP × DP of them, `rollout-server-fits-a-node` in lint.py) and
+node's server on that node's GPUs (TP × DP of them, `rollout-server-fits-a-node` in config/rules.py) and
 publishes it under `<run>/rollout/node_<k>/rollout/server.json` (+ `token`). Disaggregated, the
 sbatch script has started them on rollout nodes and published them in the same shape under
 `$MEGATRON_RL_ROLLOUT_SERVERS/<host>/rollout/`. Either way global rank 0 attaches every published

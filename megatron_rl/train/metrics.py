@@ -177,7 +177,7 @@ def startup_summary(cfg: RecipeConfig, task: LoadedTask, policy: Policy, fleet: 
                     schedule: RunSchedule, start: int, verified: dict[str, float]) -> str:
     p, r = cfg.parallelism, cfg.rollout
     world = dist.get_world_size()
-    dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    dp = p.data_parallel_size
     arch = (policy.hf.get("architectures") or ["?"])[0]
     dtype = str(policy.dtype).removeprefix("torch.")
     servers = ", ".join(s.base_url for s in fleet.servers) or "none"

@@ -17,7 +17,6 @@ from ..megatron.lora import adapters_disabled
 from ..megatron.providers import build_model_recipe
 from ..model_config import InitCheckpoint, init_checkpoint, is_megatron_checkpoint, read_hf_config
 from ..objectives.chord import optimizer_step
-from ..rollout.client import logprobs_temperature
 from ..types import TrainBatch
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
@@ -71,7 +70,7 @@ class Policy:
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
                            t.max_tokens_per_microbatch, lora=cfg.lora)
         load_init(self.actor, init.path)
-        self.reference: Reference | None = None if cfg.algorithm.kl_beta <= 0 else \
+        self.reference: Reference | None = None if not cfg.algorithm.uses_reference else \
             BaseReference(self.actor) if uses_base_reference(cfg) else self._reference(recipe)
 
     def _reference(self, recipe: Any) -> Actor:
@@ -83,7 +82,7 @@ class Policy:
     @property
     def temperature(self) -> float:
         """The temperature of the rollout's log-probs, at which the trainer computes its own."""
-        return logprobs_temperature(self.cfg.rollout)
+        return self.cfg.rollout.logprobs_temperature
 
     @property
     def hf_dir(self) -> str:

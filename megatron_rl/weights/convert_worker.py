@@ -32,11 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config.schema import LoraConfig
+from ..config.schema import LoraConfig, ParallelismConfig
 from ..megatron.actor import Actor, init_parallel
 from ..megatron.checkpoint import COMPLETE, load_checkpoint, save_checkpoint
 from ..megatron.lora import merged_deltas
-from ..megatron.providers import ParallelLayout, build_model_recipe
+from ..megatron.providers import build_model_recipe
 from ..model_config import ModelConfigError, read_hf_config
 from .adapters import Entry, WeightAdapter, adapter_for
 from .convert import HF_TO_MCORE, ConversionError, ConvertJob, ConvertLayout, stats_payload, write_error
@@ -54,11 +54,11 @@ _EXPECTED_ERRORS = (ConversionError, CheckpointError, ModelConfigError, FileNotF
 
 
 # ---------------------------------------------------------------------------------------- model
-def parallel_layout(layout: ConvertLayout) -> ParallelLayout:
+def parallel_layout(layout: ConvertLayout) -> ParallelismConfig:
     # MoE with TP needs sequence parallelism in Megatron; it changes activations, not weights.
-    return ParallelLayout(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                          expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
-                          sequence_parallel=layout.tp > 1)
+    return ParallelismConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                             expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
+                             sequence_parallel=layout.tp > 1)
 
 
 def frozen_model(hf: dict[str, Any], layout: ConvertLayout, dtype: torch.dtype,

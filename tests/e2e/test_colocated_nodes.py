@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config import load_recipe
-from megatron_rl.lint import lint
+from megatron_rl.config.rules import lint
 from tests.helpers.rollout import REPO, demo_assets
 from tests.helpers.train import SMALL, metrics
 from tests.mp.launch import cpu_env, free_port

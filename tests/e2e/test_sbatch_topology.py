@@ -18,7 +18,7 @@ import pytest
 
 from megatron_rl.cli import main as cli_main
 from megatron_rl.config import load_recipe
-from megatron_rl.lint import lint
+from megatron_rl.config.rules import lint
 from megatron_rl.slurm import job_files, render_script
 from megatron_rl.slurm.render import job_recipe, total_nodes
 from tests.helpers.rollout import REPO

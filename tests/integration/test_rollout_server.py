@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.rollout.client import RolloutClient, logprobs_temperature
+from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.server import RolloutServer
 from megatron_rl.rollout.supervisor import ServerSupervisor
 from megatron_rl.weights.transport_file import FileTransport
@@ -43,7 +43,7 @@ def test_samples_and_logprobs_match_transformers_fp32(server: RolloutServer) -> 
             ids = torch.tensor([s.prompt_ids + s.response_ids])
             with torch.no_grad():
                 logits = model(ids).logits[0, len(s.prompt_ids) - 1:-1].double()
-            ref = torch.log_softmax(logits / logprobs_temperature(settings), -1)
+            ref = torch.log_softmax(logits / settings.logprobs_temperature, -1)
             ref = ref.gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
             worst = max(worst, (ref - torch.tensor(s.response_logprobs, dtype=torch.float64)).abs().max().item())
     assert worst <= 1e-4, worst

@@ -15,10 +15,10 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
-from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.checkpoint import OptimizerLayoutMismatch, load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
@@ -28,7 +28,7 @@ from layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 
-def build(hf_dir: str, layout: ParallelLayout) -> Actor:
+def build(hf_dir: str, layout: ParallelismConfig) -> Actor:
     init_parallel(layout, seed=1234)
     return Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32),
                  2, Training(TrainerConfig(lr=1e-3), layout, total_updates=10))

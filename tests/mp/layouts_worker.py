@@ -16,9 +16,9 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
-from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
@@ -28,12 +28,12 @@ from megatron_rl.weights.sharding import gather_to_rank0  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 LAYOUTS = {
-    "tp1": ParallelLayout(),
-    "tp2_sp": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True),
-    "ep2": ParallelLayout(expert_model_parallel_size=2),
-    "pp2": ParallelLayout(pipeline_model_parallel_size=2),
-    "tp2_ep2_etp1": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True,
-                                   expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+    "tp1": ParallelismConfig(),
+    "tp2_sp": ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+    "ep2": ParallelismConfig(expert_model_parallel_size=2),
+    "pp2": ParallelismConfig(pipeline_model_parallel_size=2),
+    "tp2_ep2_etp1": ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                      expert_model_parallel_size=2, expert_tensor_parallel_size=1),
 }
 # Two updates on one batch against the π_old computed before the first: steps_per_generation 2
 # (at 1 the ratio is 1 by construction and the second step would not test the ratio).
@@ -56,7 +56,7 @@ def make_batch(vocab: int, rows: int = 8, length: int = 24, seed: int = 7) -> Tr
     return TrainBatch(tokens=tokens, mask=mask, advantages=adv)
 
 
-def run_layout(hf_dir: str, layout: ParallelLayout, objective: str) -> tuple[list[float], dict]:
+def run_layout(hf_dir: str, layout: ParallelismConfig, objective: str) -> tuple[list[float], dict]:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
     recipe = build_model_recipe(hf, layout, torch.float32)

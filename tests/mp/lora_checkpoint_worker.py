@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_rl.megatron.lora import merged_deltas  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
@@ -34,11 +34,11 @@ from megatron_rl.weights.sharding import gather_hf_layers  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.lora_layouts_worker import ALGO, LORA, LORA_EXPERTS  # noqa: E402
 
-from megatron_rl.config.schema import LoraConfig, TrainerConfig  # noqa: E402  isort: skip
+from megatron_rl.config.schema import LoraConfig, ParallelismConfig, TrainerConfig  # noqa: E402  isort: skip
 from tests.mp.common import finish  # noqa: E402
 
 
-def build(hf_dir: str, layout: ParallelLayout, lora: LoraConfig) -> Actor:
+def build(hf_dir: str, layout: ParallelismConfig, lora: LoraConfig) -> Actor:
     init_parallel(layout, seed=1234)
     actor = Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32), 2,
                   Training(TrainerConfig(lr=1e-3), layout, total_updates=10), lora=lora)

@@ -27,10 +27,10 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
-from megatron_rl.config.schema import AlgorithmConfig, LoraConfig, TrainerConfig  # noqa: E402
+from megatron_rl.config.schema import AlgorithmConfig, LoraConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron import lora as lora_mod  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
@@ -38,15 +38,15 @@ from tests.mp.layouts_worker import make_batch  # noqa: E402
 
 NO_DIST_OPT = dict(use_distributed_optimizer=False)
 LAYOUTS = {
-    "tp1": ParallelLayout(**NO_DIST_OPT),
-    "tp2": ParallelLayout(tensor_model_parallel_size=2, **NO_DIST_OPT),
-    "tp2_sp": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True, **NO_DIST_OPT),
+    "tp1": ParallelismConfig(**NO_DIST_OPT),
+    "tp2": ParallelismConfig(tensor_model_parallel_size=2, **NO_DIST_OPT),
+    "tp2_sp": ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=True, **NO_DIST_OPT),
 }
 P = 0.3
 GSPO = dict(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="seq-mean-token-mean")
 
 
-def _actor(hf_dir: str, layout: ParallelLayout, dropout: float) -> Actor:
+def _actor(hf_dir: str, layout: ParallelismConfig, dropout: float) -> Actor:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
     recipe = build_model_recipe(hf, layout, torch.float32)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 
+from megatron_rl.config.schema import ParallelismConfig  # noqa: E402
 from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
@@ -27,7 +28,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 from megatron_rl.megatron.actor import Actor, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights import convert_worker as cw  # noqa: E402
@@ -44,12 +45,12 @@ LAYOUTS = {
 }
 
 
-def parallel(name: str) -> ParallelLayout:
+def parallel(name: str) -> ParallelismConfig:
     lay = LAYOUTS[name]
     tp = lay.get("tp", 1)
-    return ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=lay.get("pp", 1),
-                          expert_model_parallel_size=lay.get("ep", 1), expert_tensor_parallel_size=lay.get("etp"),
-                          sequence_parallel=tp > 1)
+    return ParallelismConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=lay.get("pp", 1),
+                             expert_model_parallel_size=lay.get("ep", 1), expert_tensor_parallel_size=lay.get("etp"),
+                             sequence_parallel=tp > 1)
 
 
 def convert(direction: str, src: Path, out: Path, name: str) -> dict[str, Any]:

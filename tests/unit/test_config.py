@@ -162,3 +162,30 @@ def test_every_field_has_a_docstring() -> None:
     for cls in classes:
         missing = {f.name for f in dataclasses.fields(cls)} - documented[cls.__name__]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_derived_values_are_properties_of_the_schema() -> None:
+    p = schema.ParallelismConfig(nodes=2, gpus_per_node=8, tensor_model_parallel_size=2,
+                                 pipeline_model_parallel_size=2)
+    assert (p.world_size, p.data_parallel_size, p.expert_tp) == (16, 4, 2)      # ETP defaults to TP
+    assert dataclasses.replace(p, expert_tensor_parallel_size=1).expert_tp == 1
+    # TP × PP beyond the world: at least one DP rank (the lint's parallel-sizes names the error).
+    assert dataclasses.replace(p, nodes=1, gpus_per_node=2).data_parallel_size == 1
+    cfg = schema.RecipeConfig(parallelism=p)
+    assert cfg.gpus_per_node == 8                                  # slurm.gpus_per_node unset
+    cpu = dataclasses.replace(cfg, slurm=schema.SlurmConfig(gpus_per_node=0))
+    assert cpu.gpus_per_node == 0 and cpu.parallelism.gpus_per_node == 8
+    a = schema.AlgorithmConfig(name="chord", chord=schema.ChordConfig(rl_objective="gspo"))
+    assert (a.rl_objective, schema.AlgorithmConfig(name="gspo_token").rl_objective) == ("gspo", "gspo_token")
+    # A reference model exists only for a KL term, whatever model.reference says.
+    assert not schema.AlgorithmConfig().uses_reference and schema.AlgorithmConfig(kl_beta=0.1).uses_reference
+    r = schema.RolloutConfig(temperature=0.7)
+    assert r.logprobs_temperature == 0.7
+    assert dataclasses.replace(r, logprobs_mode="raw").logprobs_temperature == 1.0
+
+
+def test_config_sections_take_keywords_only() -> None:
+    for cls in _dataclasses_of(schema):
+        assert all(f.kw_only for f in dataclasses.fields(cls)), cls.__name__
+    with pytest.raises(TypeError):
+        schema.ParallelismConfig(2)  # type: ignore[misc]

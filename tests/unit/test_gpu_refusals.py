@@ -17,7 +17,7 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
-from megatron_rl.lint import lint
+from megatron_rl.config.rules import lint
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION = sorted(p for p in (REPO / "recipes").glob("qwen3_*/*.yaml") if p.name != "base.yaml")

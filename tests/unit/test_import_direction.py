@@ -1,9 +1,10 @@
 """Imports flow one way between `megatron/`, `weights/` and the model folders, and the CPU patches
 of megatron-core are an explicit call.
 
-Allowed: a model folder (`megatron_rl/models/<name>/`) imports `megatron/`, `weights/adapters.py`
-and `model_config`; `megatron/` never imports `weights/` or a model folder; `weights/adapters.py`
-(the map's building blocks) imports nothing of the project but `model_config`. The two registries
+Allowed: a model folder (`megatron_rl/models/<name>/`) imports `megatron/`, `weights/adapters.py`,
+`model_config` and the recipe schema (`config/schema.py`, the bottom layer: `ParallelismConfig`);
+`megatron/` never imports `weights/` or a model folder; `weights/adapters.py` (the map's building
+blocks) imports nothing of the project but `model_config`. The two registries
 (`megatron/providers.py`, `weights/adapters.py`) reach the folders only through
 `megatron_rl.models.load_model`, by name. Read from the source (every import statement, also
 inside functions), so a new import in the wrong direction fails here.
@@ -66,7 +67,8 @@ def test_megatron_never_imports_weights_or_a_model_folder() -> None:
 
 
 def test_model_folders_import_only_downward() -> None:
-    allowed = ("megatron_rl.megatron", "megatron_rl.weights.adapters", "megatron_rl.model_config", REGISTRY)
+    allowed = ("megatron_rl.megatron", "megatron_rl.weights.adapters", "megatron_rl.model_config",
+               "megatron_rl.config.schema", REGISTRY)
     folders = {m: imps for m, imps in MODULES.items() if _under(m, REGISTRY)}
     assert {m.split(".")[2] for m in folders if m != REGISTRY} == {"qwen3", "qwen3_next"}
     bad = {(m, i) for m, imps in folders.items() for i in imps if not any(_under(i, a) for a in allowed)}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError, load_recipe
-from megatron_rl.lint import RULES, lint
+from megatron_rl.config.rules import RULES, lint
 from tests.helpers.chat_templates import HYBRID, INSTRUCT, THINKING_2507
 from tests.helpers.rollout import unit_paths
 

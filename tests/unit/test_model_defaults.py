@@ -96,8 +96,9 @@ _PROVIDER_PROBE = """
 import json, sys, torch
 from megatron_rl.megatron import cpu_compat
 cpu_compat.apply()
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe
-recipe = build_model_recipe(json.loads(sys.argv[1]), ParallelLayout(), torch.float32)
+from megatron_rl.config.schema import ParallelismConfig
+from megatron_rl.megatron.providers import build_model_recipe
+recipe = build_model_recipe(json.loads(sys.argv[1]), ParallelismConfig(), torch.float32)
 c = recipe.config
 print(json.dumps(dict(groups=c.num_query_groups, kv=c.kv_channels, pre_softmax=c.moe_router_pre_softmax,
                       freq=c.moe_layer_freq, base=recipe.rotary_base, eps=c.layernorm_epsilon,

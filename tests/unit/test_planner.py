@@ -16,12 +16,12 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
+from megatron_rl.config.rules import lint
 from megatron_rl.config.schema import (
     RecipeConfig,
 )
-from megatron_rl.lint import lint
 from megatron_rl.planner import PlannerError, count_params
-from megatron_rl.planner.memory import GB, Hardware, Layout, stage_layer_ranges, stage_memory
+from megatron_rl.planner.memory import GB, Hardware, describe, microbatch_tokens, stage_layer_ranges, stage_memory
 from megatron_rl.planner.plan import SAFE_MARGIN_PCT, estimate, layout_problems, plan
 from tests.helpers.recipes import hand_recipe
 
@@ -184,7 +184,7 @@ def test_qwen3_dense_matches_its_model_cards() -> None:
 
 def _terms(cfg: RecipeConfig, stage: int, vllm_gb: float = 0.0) -> dict[str, Any]:
     """The memory terms of one pipeline stage, by key."""
-    memory = stage_memory(count_params(dict(cfg.model.tiny)), Layout.from_recipe(cfg), stage, vllm_gb)
+    memory = stage_memory(count_params(dict(cfg.model.tiny)), cfg, stage, vllm_gb)
     return {t.key: t for t in memory.terms}
 
 
@@ -198,7 +198,8 @@ HAND = hand_recipe(HAND_MOE, model={"params_dtype": "bf16", "reference": "init"}
                                 expert_tensor_parallel_size=1, sequence_parallel=True,
                                 recompute_granularity="full", recompute_num_layers=1),
                rollout=dict(max_prompt_length=64, max_response_length=64, gpu_memory_utilization=0.25),
-               trainer=dict(global_batch_size=32, micro_batch_size=2))
+               trainer=dict(global_batch_size=32, micro_batch_size=2),
+               algorithm=dict(kl_beta=0.1))          # a KL term: the run has a reference model
 
 
 def test_hand_case_is_a_valid_layout() -> None:
@@ -403,8 +404,6 @@ def test_token_budget_sizes_activations_and_logits_by_the_budget() -> None:
     assert got["logits"].gb == pytest.approx(padded["logits"].gb * 160 / 256)
     # Full recompute: every term of the activations is linear in the micro-batch's tokens.
     assert got["activations"].gb == pytest.approx(padded["activations"].gb * 160 / 256)
-    lay = Layout.from_recipe(budget)
-    assert "token budget 160" in lay.describe() and lay.microbatch_tokens == 160
-    small = Layout.from_recipe(dataclasses.replace(budget, trainer=dataclasses.replace(
-        budget.trainer, max_tokens_per_microbatch=100)))
-    assert small.microbatch_tokens == 128
+    assert "token budget 160" in describe(budget) and microbatch_tokens(budget) == 160
+    small = dataclasses.replace(budget, trainer=dataclasses.replace(budget.trainer, max_tokens_per_microbatch=100))
+    assert microbatch_tokens(small) == 128

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
-from megatron_rl.lint import lint
+from megatron_rl.config.rules import lint
 from megatron_rl.nf4 import nf4_bytes, nf4_bytes_per_param
 from megatron_rl.planner.lora import total_adapter_params
 from megatron_rl.planner.memory import GB, Hardware

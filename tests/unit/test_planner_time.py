@@ -31,7 +31,7 @@ from megatron_rl.config import load_recipe
 from megatron_rl.config.schema import LoraConfig
 from megatron_rl.planner import PlannerError, count_params
 from megatron_rl.planner.gpus import DEFAULT_GPU, GPUS, HOST_STEP_OVERHEAD_S, gpu
-from megatron_rl.planner.memory import GB, Hardware, Layout, rollout_memory
+from megatron_rl.planner.memory import GB, Hardware, rollout_memory
 from megatron_rl.planner.plan import SAFE_MARGIN_PCT, plan
 from megatron_rl.planner.timing import (
     Workload,
@@ -56,8 +56,7 @@ def predict(run: PublishedRun, gpu_name: str = "H100") -> tuple[float, float]:
     hw = Hardware(8, 80.0, gpu_name)
     params = count_params(run.hf)
     wl = Workload.of(run.cfg, None, run.response_tokens)
-    t = step_time(params, run.cfg, Layout.from_recipe(run.cfg), rollout_memory(params, run.cfg, hw), wl,
-                  GPUS[gpu_name], hw, run.modelled)
+    t = step_time(params, run.cfg, rollout_memory(params, run.cfg, hw), wl, GPUS[gpu_name], hw, run.modelled)
     return t.seconds, t.tokens_per_s_per_gpu
 
 
@@ -109,7 +108,7 @@ def _cfg(**over: object):  # noqa: ANN202
 
 def test_train_and_logprob_seconds_by_hand() -> None:
     cfg, g, hw = _cfg(), GPUS["H100"], Hardware(8, 80.0)
-    params, lay, wl = count_params(HF), Layout.from_recipe(cfg), Workload.of(cfg)
+    params, wl = count_params(HF), Workload.of(cfg)
     h, layers, a, d, seq, rows = 64, 4, 4, 16, 256, 32
     # Matmul params per token: everything active but the embedding lookup; attention over the
     # padded row (no token budget): 2·s²·a·d per layer, causal.
@@ -124,14 +123,14 @@ def test_train_and_logprob_seconds_by_hand() -> None:
     experts = params.component("moe_experts")
     dense, expert = (params.total - experts) / 4, experts / 8
     optimizer = (3 / 4 * dense + 1 / 2 * expert) * 6 / 50e9
-    t = train_seconds(params, cfg, lay, wl, g, hw)
+    t = train_seconds(params, cfg, wl, g, hw)
     assert t.seconds == pytest.approx(2 * (per_step + optimizer))
     # LoRA: no weight gradients (2 passes + the recompute's forward) and no full-model optimizer.
     lora_cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=8))
-    lora = train_seconds(params, lora_cfg, Layout.from_recipe(lora_cfg), wl, g, hw)
+    lora = train_seconds(params, lora_cfg, wl, g, hw)
     assert lora.seconds == pytest.approx(2 * per_step * 3 / 4)
     # π_old and π_ref over both minibatches' rows (KL on), forward only.
-    lp = logprob_seconds(params, cfg, lay, wl, g)
+    lp = logprob_seconds(params, cfg, wl, g)
     assert lp.seconds == pytest.approx(2 * 2 * forward / (world * g.peak_flops * 0.15) * (1 + 1 / (2 * rows / dp)))
     assert "π_ref" in lp.note
 

@@ -26,7 +26,7 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
-from megatron_rl.lint import lint
+from megatron_rl.config.rules import lint
 from megatron_rl.schedule import run_schedule
 
 REPO = Path(__file__).resolve().parents[2]

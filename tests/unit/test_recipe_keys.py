@@ -17,7 +17,7 @@ from tests.mp.launch import REPO
 PACKAGE = REPO / "megatron_rl"
 
 # What only checks or plans a recipe does not count as reading it.
-NOT_CONSUMERS = ("config/", "planner/", "lint.py", "commands/plan.py")
+NOT_CONSUMERS = ("config/", "planner/", "commands/plan.py")
 
 # Fields that only the planner or the launcher may read, each with the reviewed reason. Empty: every
 # field is read by the trainer or the launcher (slurm/render.py, commands/) or refused by the loader.

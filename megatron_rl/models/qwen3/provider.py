@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
+from ...config.schema import ParallelismConfig
 from ...megatron import cpu_compat
 from ...megatron.providers import (
     ModelRecipe,
-    ParallelLayout,
     _common_config,
     _local_or_te_spec,
     _moe_config,
@@ -27,13 +27,13 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 
 @provider("Qwen3ForCausalLM")
-def qwen3_dense(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+def qwen3_dense(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
     config = TransformerConfig(**_common_config(hf, layout, dtype))
     return _recipe(hf, config, _local_or_te_spec(None))
 
 
 @provider("Qwen3MoeForCausalLM")
-def qwen3_moe(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+def qwen3_moe(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
     config = TransformerConfig(**_common_config(hf, layout, dtype), **_moe_config(hf, layout))
     if all(moe_layers(hf)):
         return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))

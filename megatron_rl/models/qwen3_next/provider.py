@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from ...config.schema import ParallelismConfig
 from ...megatron import cpu_compat
 from ...megatron.providers import (
     ModelRecipe,
-    ParallelLayout,
     _common_config,
     _moe_config,
     _recipe,
@@ -152,7 +152,7 @@ def block_spec(config: TransformerConfig, types: list[str], vp_stage: int | None
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=WrappedTorchNorm)
 
 
-def qwen3_next_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> TransformerConfig:
+def qwen3_next_config(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> TransformerConfig:
     if hf["hidden_act"] != "silu" or hf["attention_bias"]:
         raise NotImplementedError(f"{ARCH}: only silu and bias-free attention are supported")
     types = layer_types(hf)
@@ -181,7 +181,7 @@ def qwen3_next_config(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.d
 
 
 @provider(ARCH)
-def qwen3_next(hf: dict[str, Any], layout: ParallelLayout, dtype: torch.dtype) -> ModelRecipe:
+def qwen3_next(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
     config = qwen3_next_config(hf, layout, dtype)
     types = layer_types(hf)
     recipe = _recipe(hf, config, lambda vp_stage: block_spec(config, types, vp_stage))

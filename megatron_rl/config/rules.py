@@ -2,7 +2,8 @@
 
 Each rule is a function `(cfg, hf) -> list[Finding]` registered with `@rule`; `hf` is the model's
 HF config (or None when the recipe names no model). Findings are errors unless a rule marks them
-as warnings; `recipe validate` exits non-zero on any error.
+as warnings; `recipe validate` exits non-zero on any error. Every command runs them through
+`check.py`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .config.schema import RecipeConfig
-from .model_config import ModelConfigError, num_experts, resolve_hf_config
-from .topology import duplicate_gpus, nccl_weight_group
+from ..model_config import ModelConfigError, num_experts, resolve_hf_config
+from ..topology import duplicate_gpus, nccl_weight_group
+from .schema import RecipeConfig
 
 Level = Literal["error", "warning"]
 HF = dict[str, Any] | None
@@ -45,25 +46,13 @@ def rule(name: str) -> Callable[[RuleFn], RuleFn]:
     return register
 
 
-def rl_objective(cfg: RecipeConfig) -> str:
-    """The objective of the RL term (CHORD delegates to its `rl_objective`)."""
-    a = cfg.algorithm
-    return a.chord.rl_objective if a.name == "chord" else a.name
-
-
-def data_parallel_size(cfg: RecipeConfig) -> int:
-    p = cfg.parallelism
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    return max(1, (p.nodes * p.gpus_per_node) // model_parallel)
-
-
 @rule("gspo-never-clips")
 def _gspo_spg(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     # A warning, not an error: article 000's QLoRA run was exactly this (ms-swift's transformers
     # trainer counts steps_per_generation 2 in micro-steps of gradient accumulation 4, so each
     # optimizer step trained on completions of its own weights), and recipes/qwen3_235b_a22b/
     # gspo_qlora.yaml reproduces it.
-    if rl_objective(cfg) in SEQUENCE_RATIO_OBJECTIVES and cfg.algorithm.steps_per_generation == 1:
+    if cfg.algorithm.rl_objective in SEQUENCE_RATIO_OBJECTIVES and cfg.algorithm.steps_per_generation == 1:
         return [Finding("warning", "gspo-never-clips", "algorithm.steps_per_generation",
                         "GSPO with steps_per_generation 1 is on-policy: the sequence ratio is always 1, "
                         "the clip never acts and the gradient is GRPO's (sequence-mean). That is what article "
@@ -76,7 +65,7 @@ def _gspo_spg(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 def _seq_eps(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     a = cfg.algorithm
     eps = max(a.clip_eps_low, a.clip_eps_high)
-    if rl_objective(cfg) in SEQUENCE_RATIO_OBJECTIVES and eps >= 0.01:
+    if a.rl_objective in SEQUENCE_RATIO_OBJECTIVES and eps >= 0.01:
         return [Finding("warning", "sequence-ratio-eps", "algorithm.clip_eps_high",
                         f"a sequence-level ratio with clip ε {eps:g} >= 0.01 almost never clips; "
                         "GSPO's paper uses 3e-4 / 4e-4")]
@@ -86,9 +75,8 @@ def _seq_eps(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 @rule("kl-needs-reference")
 def _kl_reference(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     a, m = cfg.algorithm, cfg.model
-    wants_kl = a.kl_beta > 0
     out: list[Finding] = []
-    if wants_kl and m.reference == "none":
+    if a.uses_reference and m.reference == "none":
         out.append(Finding("error", "kl-needs-reference", "model.reference",
                            f"algorithm.kl_beta is {a.kl_beta:g} but model.reference is 'none'; "
                            "set model.reference to 'init' or 'path'"))
@@ -118,10 +106,9 @@ def _divides(key: str, divisor: int, total: int, what: str) -> list[Finding]:
 @rule("parallel-sizes")
 def _parallel(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     p = cfg.parallelism
-    world = p.nodes * p.gpus_per_node
+    world, etp = p.world_size, p.expert_tp
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size, p.expert_model_parallel_size)
-    etp = p.expert_tensor_parallel_size or tp
     out = _divides("parallelism.tensor_model_parallel_size", tp * pp * cp, world,
                    "the world size nodes × gpus_per_node (TP × PP × CP must divide it)")
     out += _divides("parallelism.expert_model_parallel_size", ep * etp, world // pp,
@@ -148,7 +135,7 @@ def _parallel(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 @rule("batch-sizes")
 def _batch(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     t, r = cfg.trainer, cfg.rollout
-    dp = data_parallel_size(cfg)
+    dp = cfg.parallelism.data_parallel_size
     out: list[Finding] = []
     mbs = 1 if t.max_tokens_per_microbatch is not None else t.micro_batch_size   # budget: any rows per micro-batch
     if t.global_batch_size % (dp * mbs):
@@ -188,18 +175,12 @@ def _token_budget(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
 @rule("chord-sft-split")
 def _chord_sft_split(cfg: RecipeConfig, hf: HF) -> list[Finding]:
-    n, dp = cfg.algorithm.chord.sft_batch_size, data_parallel_size(cfg)
+    n, dp = cfg.algorithm.chord.sft_batch_size, cfg.parallelism.data_parallel_size
     if cfg.algorithm.name == "chord" and n % dp:
         return [Finding("error", "chord-sft-split", "algorithm.chord.sft_batch_size",
                         f"{n} expert rows per optimizer step do not split over the {dp} data-parallel "
                         f"ranks; use a multiple of {dp}")]
     return []
-
-
-def gpus_per_node(cfg: RecipeConfig) -> int:
-    """GPUs of one node as the job requests them (0 = a CPU job)."""
-    s = cfg.slurm.gpus_per_node
-    return cfg.parallelism.gpus_per_node if s is None else s
 
 
 @rule("memory-options")
@@ -280,7 +261,7 @@ def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 def _server_per_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     # vLLM is started once per node (the sbatch script's rollout step, or each trainer node's first
     # rank): nothing launches one server across nodes. A CPU job (no GPUs) has nothing to count.
-    r, gpus = cfg.rollout, gpus_per_node(cfg)
+    r, gpus = cfg.rollout, cfg.gpus_per_node
     size = r.tensor_parallel_size * r.data_parallel_size
     if gpus and size > gpus:
         return [Finding("error", "rollout-server-fits-a-node", "rollout.data_parallel_size",
@@ -353,10 +334,10 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
             out.append(Finding("error", "lora-targets", "lora.targets",
                                "target 'gdn' has no adapter code path yet; use q, k, v, o, experts"))
     p = cfg.parallelism
-    if "experts" in lo.targets and (p.expert_tensor_parallel_size or p.tensor_model_parallel_size) > 1:
+    if "experts" in lo.targets and p.expert_tp > 1:
         out.append(Finding("error", "lora-targets", "parallelism.expert_tensor_parallel_size",
                            "lora.targets 'experts' needs expert_tensor_parallel_size 1 (it defaults to the TP size)"))
-    if "experts" in lo.targets and gpus_per_node(cfg) and (hf is None or num_experts(hf)):
+    if "experts" in lo.targets and cfg.gpus_per_node and (hf is None or num_experts(hf)):
         # The GPU build groups a layer's experts into TE's grouped GEMM (`providers._moe_config`),
         # which has no per-expert linears to hook (`megatron/lora.py` raises after the model build).
         out.append(Finding("error", "lora-targets", "lora.targets",
@@ -369,7 +350,7 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 @rule("thinking-budget")
 def _thinking_budget(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     """A template that starts the answer in a thinking block needs room to close it."""
-    from .data.thinking import MIN_THINKING_BUDGET, THINKING_MODES, thinking_mode
+    from ..data.thinking import MIN_THINKING_BUDGET, THINKING_MODES, thinking_mode
 
     r, m = cfg.rollout, cfg.model
     if r.max_response_length >= MIN_THINKING_BUDGET:
@@ -390,7 +371,7 @@ def _thinking_budget(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 @rule("reward-names")
 def _rewards(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     """The task and every reward load (a plugin's import runs here, before any model starts)."""
-    from .tasks import plugin_problems
+    from ..tasks import plugin_problems
 
     return [Finding("error", "reward-names", key, message)
             for key, message in plugin_problems(cfg.task, cfg.rewards.weights)]
@@ -408,7 +389,7 @@ def _lora_quantization(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if lora.base_quantization == "fp8":
         return [Finding("error", "lora-base-quantization", "lora.base_quantization",
                         "'fp8' has no code path yet; allowed: nf4, none")]
-    if gpus_per_node(cfg):
+    if cfg.gpus_per_node:
         # A GPU job builds the Transformer-Engine spec whenever TE is installed (the image), and
         # `megatron/quantize.py` cannot quantize TE linears or grouped-GEMM experts; without TE,
         # megatron's local spec refuses sequence parallelism on GPU. No QLoRA spec exists yet.

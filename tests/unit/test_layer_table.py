@@ -1,0 +1,156 @@
+"""Imports only go down: every module of `megatron_rl/` sits in one layer of `LAYERS` (kept here as
+data), imports only its own layer or lower ones, and no import cycle exists anywhere in the package.
+
+Imports are read from the source with `ast`: module-level, inside functions (lazy) and under
+`TYPE_CHECKING` alike, relative ones resolved, `from pkg import name` counted as the module
+`pkg.name` when that is a module. There is no list of allowed exceptions: a new upward import or
+cycle fails here, and the fix is to move the code, not to add an edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.mp.launch import REPO
+
+PKG = REPO / "megatron_rl"
+
+# Lowest first. A module belongs to the layer of its longest matching prefix (a folder or a file).
+# Within a layer any direction is allowed; the cycle test below still applies there.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("megatron_rl", "megatron_rl.types", "megatron_rl.registry", "megatron_rl.console",
+              "megatron_rl.model_config", "megatron_rl.config")),
+    ("pure", ("megatron_rl.objectives", "megatron_rl.advantages", "megatron_rl.logprobs", "megatron_rl.rewards",
+              "megatron_rl.data", "megatron_rl.nf4", "megatron_rl.schedule", "megatron_rl.topology")),
+    ("tasks", ("megatron_rl.tasks",)),
+    ("engines", ("megatron_rl.megatron", "megatron_rl.weights", "megatron_rl.rollout")),
+    ("models", ("megatron_rl.models",)),
+    ("programs", ("megatron_rl.convert", "megatron_rl.planner", "megatron_rl.sync", "megatron_rl.demo",
+                  "megatron_rl.slurm", "megatron_rl.preflight", "megatron_rl.launch")),
+    ("train", ("megatron_rl.train",)),
+    ("cli", ("megatron_rl.commands", "megatron_rl.cli")),
+)
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(dotted: str, root: Path = REPO) -> bool:
+    base = root / Path(*dotted.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def imports_of(path: Path, root: Path = REPO, top: str = "megatron_rl") -> set[str]:
+    """The modules of package `top` that the file at `path` imports, anywhere in it."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.add(full if is_module(full, root) else base)
+    return {m for m in out if m == top or m.startswith(top + ".")}
+
+
+def graph_of(pkg: Path, root: Path = REPO) -> dict[str, set[str]]:
+    top = module_name(pkg / "__init__.py", root)
+    return {module_name(p, root): imports_of(p, root, top) - {module_name(p, root)} for p in sorted(pkg.rglob("*.py"))}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None               # (prefix length, layer index)
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), i)
+    return None if best is None else best[1]
+
+
+GRAPH = graph_of(PKG)
+
+
+def test_every_module_sits_in_one_layer() -> None:
+    unplaced = sorted(m for m in GRAPH if layer_of(m) is None)
+    assert not unplaced, f"add these modules to LAYERS: {unplaced}"
+    prefixes = [p for _, ps in LAYERS for p in ps]
+    assert len(prefixes) == len(set(prefixes)), "a prefix is listed in two layers"
+    assert all(is_module(p) for p in prefixes), [p for p in prefixes if not is_module(p)]
+
+
+def test_no_upward_import() -> None:
+    upward = sorted(f"{m} ({LAYERS[layer_of(m) or 0][0]}) -> {i} ({LAYERS[layer_of(i) or 0][0]})"
+                    for m, imps in GRAPH.items() for i in imps
+                    if (layer_of(i) or 0) > (layer_of(m) or 0))
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle() -> None:
+    assert cycles(GRAPH) == []
+
+
+def test_the_reader_sees_relative_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import leaf\n")
+    (pkg / "sub" / "leaf.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..top import T\n")
+    (pkg / "top.py").write_text("import os\n\ndef f():\n    from .sub.leaf import g\n    from pkg.sub import leaf\n")
+    graph = graph_of(pkg, tmp_path)
+    assert graph == {"pkg": set(), "pkg.sub": {"pkg.sub.leaf"}, "pkg.sub.leaf": {"pkg.top"},
+                     "pkg.top": {"pkg.sub.leaf"}}
+    assert cycles(graph) == [["pkg.sub.leaf", "pkg.top"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}}) == [["a", "b", "c"]]
