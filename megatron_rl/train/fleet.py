@@ -361,18 +361,18 @@ def _start_own(cfg: RecipeConfig, run_dir: Path, model_dir: str, extra_args: lis
     return server
 
 
-Published = tuple[str, Path, dict[str, Any]]
+PublishedServer = tuple[str, Path, dict[str, Any]]
 """(who, for messages; the server's run dir, holding `rollout/server.json`; that file's contents)."""
 
 
-def _published_peers(run_dir: Path, pos: NodePosition, cfg: RecipeConfig) -> list[Published]:
+def _published_peers(run_dir: Path, pos: NodePosition, cfg: RecipeConfig) -> list[PublishedServer]:
     """The other nodes' colocated servers, once each has published itself."""
     peers = [n for n in range(pos.nodes) if n != pos.node]
     found = wait_for_servers(run_dir, peers, cfg.rollout.startup_timeout_s + WAIT_MARGIN_S)
     return [(f"node {n}", node_dir(run_dir, n), found[n]) for n in peers]
 
 
-def _published_external(root: Path) -> list[Published]:
+def _published_external(root: Path) -> list[PublishedServer]:
     """The servers the sbatch script started on rollout nodes (`<root>/<host>/rollout/server.json`)."""
     found = sorted(root.glob("*/rollout/server.json"))
     if not found:
