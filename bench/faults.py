@@ -79,13 +79,12 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     from megatron_rl.megatron import cpu_compat
 
     cpu_compat.apply()                            # before anything imports megatron-core (as the CLI does)
-    import megatron_rl.train.checkpointing as checkpointing_mod
-    import megatron_rl.train.session as session_mod
-    import megatron_rl.train.sync_phase as sync_phase_mod
+    import megatron_rl.megatron.checkpoint as checkpoint_mod
     from megatron_rl.config import load_recipe
     from megatron_rl.megatron.actor import Actor
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.server import RolloutServer
+    from megatron_rl.train.fleet import RolloutFleet
     from megatron_rl.train.loop import train
     from megatron_rl.weights.transport_file import FileTransport
 
@@ -120,12 +119,12 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         return post(self, path, body, params, timeout)
     RolloutServer.post = post_and_kill            # type: ignore[method-assign]
 
-    reseed = session_mod.Session.reseed_servers
+    reseed = RolloutFleet.reseed
 
-    def reseed_at(self: Any, step: int) -> None:
+    def reseed_at(self: RolloutFleet, step: int) -> None:
         state["step"], state["answered"] = step, 0
         reseed(self, step)
-    session_mod.Session.reseed_servers = reseed_at      # type: ignore[method-assign]
+    RolloutFleet.reseed = reseed_at               # type: ignore[method-assign]
 
     client_post = RolloutClient._post
 
@@ -141,15 +140,15 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         return result
     RolloutClient._post = client_post_and_kill    # type: ignore[method-assign]
 
-    verify = sync_phase_mod.verify
+    verify = RolloutFleet.verify
 
-    def verify_marked(session: Any, probe: Any, version: int) -> dict:
+    def verify_marked(self: RolloutFleet, *args: Any, **kwargs: Any) -> dict:
         state["in_verify"] = True
         try:
-            return verify(session, probe, version)
+            return verify(self, *args, **kwargs)
         finally:
             state["in_verify"] = False
-    sync_phase_mod.verify = verify_marked
+    RolloutFleet.verify = verify_marked           # type: ignore[method-assign]
 
     logprobs, train_step = Actor.compute_logprobs, Actor.train_step
 
@@ -170,12 +169,12 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         send(self, tensors)
     FileTransport.send_bucket = send_and_kill     # type: ignore[method-assign]
 
-    save = checkpointing_mod.save_checkpoint
+    save = checkpoint_mod.save_checkpoint
 
     def save_and_kill(*args: Any, **kwargs: Any) -> Any:
         inject("checkpoint")
         return save(*args, **kwargs)
-    checkpointing_mod.save_checkpoint = save_and_kill
+    checkpoint_mod.save_checkpoint = save_and_kill        # looked up by RunDir.save at each call
 
     train(load_recipe(recipe, overrides), resume=resume)
     server = state["server"]
@@ -213,7 +212,7 @@ def tree(root: int) -> set[int]:
 
 def server_pids(run: Path) -> set[int]:
     """The rollout server's group (its own session, so not under the trainer's tree after a restart);
-    the colocated server of node 0 publishes under `<run>/rollout/node_0/rollout/` (train/placement.py
+    the colocated server of node 0 publishes under `<run>/rollout/node_0/rollout/` (train/fleet.py
     `node_dir`; not imported: the driver stays free of torch)."""
     import psutil
 

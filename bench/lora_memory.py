@@ -137,7 +137,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     mask[:, args.length // 2:] = 1.0
     batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.randn(args.rows, generator=g))
     batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)
-    metrics = actor.train_step(batch, AlgorithmConfig(), "grpo", temperature=1.0, rl_step=0)
+    metrics = actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)
     rss1, hwm = _rss()
     out: dict[str, Any] = {"measured": measured(actor), "loss": metrics["loss/total"],
                            "trainable_params": sum(p.numel() for p in actor.model.parameters() if p.requires_grad)}

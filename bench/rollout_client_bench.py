@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -147,7 +148,7 @@ def fixed_length_client(server: Any, max_concurrency: int, max_tokens: int) -> A
         async def _post(self, client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
             return await super()._post(client, path, dict(body, ignore_eos=True, min_tokens=max_tokens))
 
-    return FixedLengthClient.for_server(server, max_concurrency=max_concurrency)
+    return FixedLengthClient.for_server(server, dataclasses.replace(server.cfg, max_concurrency=max_concurrency))
 
 
 async def raw_http_pass(base_url: str, token: str, prompts: list[list[int]], n: int, max_tokens: int,
@@ -174,10 +175,10 @@ async def raw_http_pass(base_url: str, token: str, prompts: list[list[int]], n: 
 
 def run_server_side(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, max_concurrency: int,
                     passes: int, work: Path) -> dict[str, Any]:
-    from megatron_rl.rollout.client import SamplingSettings
+    from megatron_rl.config.schema import RolloutConfig
     from tests.helpers.rollout import start_server
 
-    settings = SamplingSettings(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens)
+    settings = RolloutConfig(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=max_tokens)
     server = None
     result: dict[str, Any] = {"passes": []}
     try:

@@ -399,7 +399,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from megatron_rl.train.setup import init_process_group
+    from megatron_rl.train.run import init_process_group
     from tests.helpers.rollout import TINY_MOE
 
     specs = {"tiny": TINY_MOE, "large": LARGE}

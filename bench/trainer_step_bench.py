@@ -103,7 +103,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, float]:
     for step in range(args.steps + 1):
         start = time.perf_counter()
         batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)
-        metrics = actor.train_step(batch, cfg, "grpo", temperature=1.0, rl_step=step)
+        metrics = actor.train_step(batch, cfg, temperature=1.0, rl_step=step)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

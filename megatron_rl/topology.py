@@ -41,7 +41,7 @@ def engine_devices(visible: Sequence[T], workers_per_engine: int, engines: int) 
 
 
 def server_nodes(cfg: RecipeConfig) -> list[int]:
-    """The node of each rollout server, in the order rank 0 drives them (`train/placement.py`: its
+    """The node of each rollout server, in the order rank 0 drives them (`train/fleet.py`: its
     own node first; the sbatch script's rollout nodes)."""
     trainer_nodes = cfg.parallelism.nodes
     if cfg.rollout.placement == "colocated":

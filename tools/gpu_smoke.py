@@ -155,7 +155,7 @@ def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, An
         out["nf4_modules"] = len(actor.quantization.quantized)
     before = _snapshot(actor.model)
     cfg = AlgorithmConfig(kl_beta=0.05)
-    step = actor.train_step(batch, cfg, "grpo", TEMPERATURE, rl_step=0)
+    step = actor.train_step(batch, cfg, temperature=TEMPERATURE, rl_step=0)
     now = _snapshot(actor.model)
     changed = {n for n in now if not torch.equal(now[n], before[n])}
     moved = max(float((now[n] - before[n]).abs().max()) for n in now)
@@ -165,7 +165,7 @@ def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, An
     after = _snapshot(actor.model)
     param = next(p for p in actor.model.parameters() if p.requires_grad)
     hook = param.register_hook(lambda g: torch.full_like(g, math.nan))
-    poisoned = actor.train_step(batch, cfg, "grpo", TEMPERATURE, rl_step=1)
+    poisoned = actor.train_step(batch, cfg, temperature=TEMPERATURE, rl_step=1)
     hook.remove()
     unchanged = all(torch.equal(now, after[n]) for n, now in _snapshot(actor.model).items())
     out.update(batch_devices=sorted(seen), loss=step["loss/total"], grad_norm=step["grad_norm"],

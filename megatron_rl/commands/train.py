@@ -83,7 +83,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     from ..rollout.client import RolloutError
     from ..rollout.server import ServerError
     from ..rollout.supervisor import RestartCheckFailed
-    from ..train.session import Stop
+    from ..train.run import Stop
 
     return (Stop, ValueError, OSError, ServerError, RolloutError, RestartCheckFailed, OptimizerLayoutMismatch,
             httpx.HTTPError)
@@ -96,7 +96,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _forget_unstarted_run(cfg) -> None:  # noqa: ANN001
     """A run that failed before its first step leaves no run dir behind to block a re-run."""
-    from ..train.setup import never_started
+    from ..train.run import never_started
 
     if not cfg.logging.run_name:
         return

@@ -355,20 +355,21 @@ class Actor:
         return torch.cat(parts, dim=0)
 
     # ------------------------------------------------------------------ train
-    def train_step(self, batch: TrainBatch, cfg: AlgorithmConfig, objective: str, temperature: float,
+    def train_step(self, batch: TrainBatch, algorithm: AlgorithmConfig, *, temperature: float,
                    rl_step: int) -> dict[str, float]:
-        """One optimizer step on `batch` (all rows of this step, identical on every rank)."""
+        """One optimizer step on `batch` (all rows of this step, identical on every rank) with the
+        objective `algorithm.name`."""
         self.model.train()
         denoms = denominators_from_masks([batch.mask], batch.mask.shape[1])
         sft_denoms = None if batch.sft_mask is None else \
             denominators_from_masks([batch.sft_mask], batch.sft_mask.shape[1])
         mbs = self._local_microbatches(batch)
-        loss_fn = get_objective(objective)
+        loss_fn = get_objective(algorithm.name)
         # One update per rollout: the weights that sampled are the weights being trained, so π_old
         # is this forward itself, detached (ratio exactly 1, as ms-swift's and verl's on-policy
         # paths). A second forward would differ from it by bf16 rounding of other micro-batch
         # shapes and by LoRA dropout, noise that a sequence-level clip of 3e-4 would act on.
-        on_policy = cfg.steps_per_generation == 1
+        on_policy = algorithm.steps_per_generation == 1
 
         def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
             # Entropy comes from the same chunked pass as the log-probs (no extra pass; detached
@@ -386,7 +387,7 @@ class Actor:
             if mb.sft_tokens is not None:
                 inputs.sft_logprobs = logp[rows:, : mb.sft_tokens.shape[1] - 1]
                 inputs.sft_mask = mb.sft_mask
-            out = loss_fn(inputs, cfg, denoms, step=rl_step, sft_denoms=sft_denoms)
+            out = loss_fn(inputs, algorithm, denoms, step=rl_step, sft_denoms=sft_denoms)
             return out.loss, torch.tensor(1), {k: v.detach() for k, v in out.metrics.items()}
 
         self.model.zero_grad_buffer()

@@ -7,7 +7,7 @@ against `--host-memory-gb`, `reclaimable` ones (clean page cache) are shown but 
 kernel drops them under pressure.
 
 Trainer node, per rank × ranks per node (every rank holds the step's rollout on the host:
-`train/rollout_phase.py` broadcasts the groups to all ranks, `train/batch.py` pads them):
+`train/fleet.py` broadcasts the groups to all ranks, `train/batch.py` pads them):
 
 * rollout batch tensors — `TrainBatch` at the padded `seq_len` width: tokens int64 (8 B), mask,
   rollout / π_old / π_ref log-probs fp32 (4 B each per target position), advantages, routes

@@ -409,7 +409,7 @@ def rollout_memory(params: ModelParams, cfg: RecipeConfig, hw: Hardware) -> Roll
                           + (d.lin_value_heads / tp) * d.lin_key_dim * d.lin_value_dim) * nbytes
     max_len = r.max_prompt_length + r.max_response_length
     # One server per node, on TP × DP of its GPUs: the trainer's node-first ranks start them when
-    # colocated (train/placement.py), the sbatch script's rollout step when disaggregated.
+    # colocated (train/fleet.py), the sbatch script's rollout step when disaggregated.
     servers = cfg.parallelism.nodes if r.placement == "colocated" else r.nodes
     reserved = r.gpu_memory_utilization * hw.gpu_memory_gb
     problem = ""

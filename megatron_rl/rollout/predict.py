@@ -23,7 +23,7 @@ from typing import Any
 from ..config.schema import RolloutConfig
 from ..data.prompts import prompt_token_ids
 from ..data.schema import read_prompts
-from .client import RolloutClient, SamplingSettings
+from .client import RolloutClient
 from .server import RolloutServer
 
 
@@ -38,10 +38,15 @@ class Decoding:
     """The server's sampling seed (matters only with temperature > 0)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def sampling(self) -> SamplingSettings:
-        greedy = self.temperature == 0.0
-        return SamplingSettings(n=1, temperature=self.temperature, top_p=1.0 if greedy else self.top_p,
-                                top_k=-1 if greedy else self.top_k, max_tokens=self.max_tokens, logprobs_mode="raw")
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def sampling(self, rollout: RolloutConfig) -> RolloutConfig:
+        """The server's `RolloutConfig` with one sample per prompt of these settings (the client
+        drops top_p and top_k when `greedy`)."""
+        return dataclasses.replace(rollout, n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                   max_response_length=self.max_tokens)
 
 
 def meta_path(out_path: Path) -> Path:
@@ -72,8 +77,8 @@ def predict(model_dir: str, prompts_path: str, out_path: Path, run_dir: Path, de
         server.start()
         if decoding.temperature > 0:
             server.rpc("mrl_reseed", str(decoding.seed))
-        client = RolloutClient.for_server(server, max_concurrency=cfg.max_concurrency)
-        results = client.generate(ids, decoding.sampling())
+        client = RolloutClient.for_server(server, cfg)
+        results = client.generate(ids, decoding.sampling(cfg), greedy=decoding.greedy)
     finally:
         server.stop()
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -108,7 +108,8 @@ class ServerSupervisor:
         if e is None or e.version != want:
             print(f"[rollout] server restarted with weight version {want}", flush=True)
             return
-        client = RolloutClient.for_server(self.server, max_retries=0)     # no on_failure: not re-entrant
+        no_retries = replace(self.server.cfg, max_retries=0)
+        client = RolloutClient.for_server(self.server, no_retries)     # no on_failure: not re-entrant
         worst = max_abs_diff(client.prompt_logprobs(e.sequences), e.logprobs)
         if not worst <= e.tolerance:
             raise RestartCheckFailed(f"restarted server disagrees with the trainer at version {want}: "

@@ -1,1 +1,3 @@
-"""The RL training loop (`megatron-rl train`): phases in their own modules, the loop in loop.py."""
+"""The RL training loop (`megatron-rl train`), by owner: `loop` (train / learn / publish) over
+`Policy` (actor + reference), `RolloutFleet` (the servers), `RunDir` (files, checkpoints, stopping),
+`data`, `batch` and `metrics`."""

@@ -1,9 +1,12 @@
-"""Rollout groups → rewards → advantages → a `TrainBatch` aligned to target positions."""
+"""Rollout groups → rewards → advantages → a `TrainBatch` aligned to target positions; and the
+padding every trained row goes through (`pack`), also for CHORD's expert rows and the fixed probe
+batch of sync verification."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -63,14 +66,11 @@ def build_batch(groups: Sequence[RolloutGroup], scores: Scores, seq_len: int, pa
     needs the reference log-probs of this very batch first)."""
     samples = [s for g in groups for s in g.samples]
     n = len(samples)
-    tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    mask = torch.zeros(n, seq_len - 1)
+    tokens, mask = pack([s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples],
+                        seq_len, pad_id)
     rollout_lp = torch.zeros(n, seq_len - 1)
     for i, s in enumerate(samples):
-        seq = (s.prompt_ids + s.response_ids)[:seq_len]
-        tokens[i, :len(seq)] = torch.tensor(seq)
-        start, stop = len(s.prompt_ids) - 1, len(seq) - 1
-        mask[i, start:stop] = 1.0
+        start, stop = len(s.prompt_ids) - 1, min(len(s.prompt_ids) + len(s.response_ids), seq_len) - 1
         rollout_lp[i, start:stop] = torch.tensor(s.response_logprobs[:stop - start])
     rewards = torch.tensor(scores.rewards, dtype=torch.float64)
     names = sorted(scores.parts[0]) if scores.parts else []
@@ -80,6 +80,28 @@ def build_batch(groups: Sequence[RolloutGroup], scores: Scores, seq_len: int, pa
     batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(n), rollout_logprobs=rollout_lp,
                        routes=routes, routes_valid=routes_valid)
     return ScoredRollout(batch, rewards, parts, lengths, len(groups[0].samples))
+
+
+def pack(sequences: Sequence[list[int]], prompt_lengths: Sequence[int], seq_len: int,
+         pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows padded (or cut) to `seq_len`, and a mask over the target positions of each row's tokens
+    after its prompt."""
+    tokens = torch.full((len(sequences), seq_len), pad, dtype=torch.long)
+    mask = torch.zeros(len(sequences), seq_len - 1)
+    for i, (seq, plen) in enumerate(zip(sequences, prompt_lengths)):
+        seq = seq[:seq_len]
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        mask[i, plen - 1:len(seq) - 1] = 1.0
+    return tokens, mask
+
+
+def probe(tokenizer: Any, prompts: Sequence[list[int]], seq_len: int, pad: int, response: str,
+          count: int = 4) -> TrainBatch:
+    """A fixed batch for sync verification: the first prompts, each followed by `response`."""
+    answer = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    first = list(prompts[:count])
+    tokens, mask = pack([p + answer for p in first], [len(p) for p in first], seq_len, pad)
+    return TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(len(first)))
 
 
 def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float) -> torch.Tensor:

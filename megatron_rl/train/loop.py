@@ -1,8 +1,10 @@
 """`megatron-rl train`: the RL loop. One step: prompts → rollout → rewards/advantages → old/ref
 log-probs → `steps_per_generation` updates → weight sync (+ verification) → metrics → checkpoint.
 
-Each phase is a function from what it needs to what it produces (groups → scores → batch →
-updates → sync report → metrics); `Session` only holds the objects they use.
+Each step is two verbs on the run's objects: `learn` (the servers' rollout → the batch → the
+policy's updates) and `publish` (the updated weights to the servers, verified, and the periodic
+evaluation). `RolloutFleet` owns the servers, `Policy` the actor and reference, `TrainData` the
+prompts and their order, `RunDir` the files and the checkpoints.
 """
 
 from __future__ import annotations
@@ -11,87 +13,93 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from ..config.loader import to_dict
 from ..config.schema import RecipeConfig
 from ..console import Progress
+from ..schedule import run_schedule
 from ..tasks import LoadedTask, resolve_task
 from ..types import TrainBatch
-from . import sync_phase
-from .batch import ScoredRollout, build_batch, kl_penalty, score_groups, with_advantages
-from .checkpointing import resume as resume_checkpoint
-from .checkpointing import save
-from .eval_phase import evaluate, load_eval_set
-from .metrics_log import MetricsLog, console_line
-from .report import startup_summary
-from .rollout_phase import rollout
-from .run_control import Stop, StopSignals, agree_on_stop
-from .session import Session
-from .setup import Prompts, export_hf, init_process_group, make_run_dir
-from .step_parts import probe_batch, step_metrics, timed
-from .update_phase import update, with_policy_logprobs
+from .batch import ScoredRollout, build_batch, kl_penalty, probe, score_groups, with_advantages
+from .data import Prompts, TrainData, load_eval_set
+from .fleet import RolloutFleet, sync_metrics
+from .metrics import console_line, open_metrics_log, startup_summary, step_metrics, timed
+from .policy import Policy, starting_checkpoint
+from .run import RunDir, Stop, StopSignals, agree_on_stop, init_process_group
 from .verification import Gate
 
 
 def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     task = resolve_task(cfg.task, cfg.rewards.weights)      # a bad plugin fails before any model
     init_process_group(cfg.trainer.collective_timeout_min)
-    run_dir = make_run_dir(cfg, resume)
-    session = Session(cfg, run_dir, task)
-    total = session.total_steps
-    resumed = resume_checkpoint(session) if resume else None
+    run = RunDir.make(cfg, resume)
+    init = starting_checkpoint(cfg)
+    data = TrainData.load(cfg, task, cfg.model.tokenizer or init.hf_dir)
+    schedule = run_schedule(cfg, len(data.prompts.records))
+    assert schedule is not None
+    policy = Policy(cfg, init, schedule.updates)
+    fleet = RolloutFleet(cfg, run.path, init)
+    total = schedule.rollout_steps
+    resumed = run.resume(policy.actor, init) if resume else None
+    if resumed is not None:
+        data.load_state(resumed.extra)
     start, version = (resumed.step, resumed.version) if resumed else (0, 0)
-    log = open_metrics_log(cfg, run_dir, start)
+    log = open_metrics_log(cfg, run.path, start)
     signals = StopSignals().install()
-    r = cfg.rollout
-    seq_len = r.max_prompt_length + r.max_response_length
-    forced = probe_batch(session, seq_len, _pad(session), task.task.probe_response)
-    eval_set = load_eval_set(cfg, session.tokenizer, task)
+    seq_len = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
+    forced = probe(data.tokenizer, data.prompts.token_ids, seq_len, data.pad_id, task.task.probe_response)
+    eval_set = load_eval_set(cfg, data.tokenizer, task)
     try:
-        session.start_server()
+        fleet.start()
         # A resumed run re-sends its checkpointed weights under their own version.
         version = version if resumed else version + 1
-        if sync_phase.calibrates_before_push(session, resumed is not None):
+        if policy.matches_server_load(resumed is not None):
             # The noise floor on the servers' own load of the checkpoint; the first sync is gated.
-            probe, gate, first = sync_phase.calibrate(session, forced, 0, seq_len, _pad(session))
-            sync_phase.push_weights(session, version)
-            first.update(sync_phase.verify(session, probe, version, gate))
+            checked, gate, first = fleet.calibrate(policy, forced, 0, seq_len, data.pad_id)
+            fleet.push(policy, version)
+            first.update(fleet.verify(policy, checked, version, gate))
         else:
-            sync_phase.push_weights(session, version)
-            probe, gate, first = sync_phase.calibrate(session, forced, version, seq_len, _pad(session))
-        if session.rank0:
-            print(startup_summary(cfg, session, task, start, first), flush=True)
+            fleet.push(policy, version)
+            checked, gate, first = fleet.calibrate(policy, forced, version, seq_len, data.pad_id)
+        if fleet.rank0:
+            print(startup_summary(cfg, task, policy, fleet, schedule, start, first), flush=True)
         progress = Progress(start + 1, total)
         bad_in_row = 0
         for step in range(start + 1, total + 1):
-            timings: dict[str, float] = {}
-            learned = learn(session, task, step, version, timings)
+            learned = learn(cfg, task, data, policy, fleet, schedule.prompts_per_rollout, step, version)
             bad_in_row = bad_in_row + 1 if all(u["update_skipped"] for u in learned.updates) else 0
             if bad_in_row >= cfg.trainer.max_bad_steps_in_row:
                 raise Stop(f"{bad_in_row} steps in a row had a non-finite loss or gradient; stopping")
             version += 1
-            published = publish(session, task, step, version, (probe, gate), eval_set, timings)
-            metrics = learned.metrics(timings, published, version)
-            metrics.update({"data/epoch": session.order.epoch, "data/position": session.order.position})
+            published = publish(cfg, task, data, policy, fleet, step, version, (checked, gate), eval_set)
+            metrics = learned.metrics(published, version)
+            metrics.update({"data/epoch": data.order.epoch, "data/position": data.order.position})
             if log is not None:
                 log.log(step, metrics)
-            if session.rank0 and step % cfg.logging.log_interval == 0:
+            if fleet.rank0 and step % cfg.logging.log_interval == 0:
                 print(console_line(progress.line(step), metrics), flush=True)
             stop = agree_on_stop(signals.reason)
             interval = cfg.checkpoint.save_interval
             if (interval and step % interval == 0) or stop or step == total:
-                save(session, step, version)
+                run.save(policy.actor, init, step, version, data.state())
             if stop:
                 print(f"[train] {stop}: checkpointed step {step}; resume with --resume", flush=True)
-                return run_dir
+                return run.path
         if cfg.checkpoint.export_hf:
-            export_hf(session.actor.model, session.adapter, session.hf_dir, run_dir / "hf_export")
-        return run_dir
+            run.export_hf(policy.actor.model, policy.adapter, init.hf_dir)
+        return run.path
     finally:
         if log is not None:
             log.close()
-        session.close()
+        fleet.close()
+
+
+@dataclass(frozen=True)
+class Published:
+    """What publishing one step's weights measured: sync, verification and eval metrics."""
+
+    metrics: dict[str, float]
+    timings: dict[str, float]
+    """`time/sync` and, on eval steps, `time/eval`."""
 
 
 @dataclass(frozen=True)
@@ -107,9 +115,13 @@ class Learned:
     task_metrics: dict[str, float]
     routing_metrics: dict[str, float]
     """`routing/*` of the π_old forward (`rollout.routing_replay`), else empty."""
+    timings: dict[str, float]
+    """`time/rollout`, `time/reward`, `time/logprobs`, `time/train`."""
 
-    def metrics(self, timings: dict[str, float], extra: dict[str, float], version: int) -> dict[str, float]:
-        m = step_metrics(self.scored, self.batch, self.zero_variance_frac, self.updates, timings, extra, version)
+    def metrics(self, published: Published, version: int) -> dict[str, float]:
+        timings = {**self.timings, **published.timings}
+        m = step_metrics(self.scored, self.batch, self.zero_variance_frac, self.updates, timings, published.metrics,
+                         version)
         m.update(self.task_metrics)
         m.update(self.routing_metrics)
         if self.kl_penalty is not None:
@@ -117,58 +129,41 @@ class Learned:
         return m
 
 
-def learn(session: Session, task: LoadedTask, step: int, version: int, timings: dict[str, float]) -> Learned:
+def learn(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, fleet: RolloutFleet,
+          prompts_per_step: int, step: int, version: int) -> Learned:
     """Rollout with the servers' weights (`version`) → rewards → old/ref log-probs → advantages →
     `steps_per_generation` updates (collective; every rank returns the same)."""
-    a, r = session.cfg.algorithm, session.cfg.rollout
-    seq_len, pad = r.max_prompt_length + r.max_response_length, _pad(session)
-    indices = session.order.next_indices(session.prompts_per_step)
+    a, r = cfg.algorithm, cfg.rollout
+    timings: dict[str, float] = {}
+    indices = data.order.next_indices(prompts_per_step)
     with timed(timings, "rollout"):
-        groups = rollout(session, indices, step, version)
-        session.sleep_servers()
+        groups = fleet.generate(data.prompts, indices, step, version)
+        fleet.sleep()
     with timed(timings, "reward"):
-        scores = score_groups(groups, task, _decoder(session))
-        scored = build_batch(groups, scores, seq_len, pad)
-    temperature = session.sampling().logprobs_temperature
+        scores = score_groups(groups, task, data.decode)
+        scored = build_batch(groups, scores, r.max_prompt_length + r.max_response_length, data.pad_id)
     with timed(timings, "logprobs"):
-        batch, routing = with_policy_logprobs(session, scored.batch, temperature)
+        batch, routing = policy.logprobs(scored.batch)
     penalty = kl_penalty(batch, a.kl_beta, a.kl_estimator, a.kl_clamp) if a.kl_in_reward else None
     batch, zero_variance_frac = with_advantages(scored, batch, a.advantage, a.mask_zero_variance_groups, penalty,
                                                 unbiased_std=a.advantage_std == "unbiased", eps=a.advantage_eps)
     with timed(timings, "train"):
-        updates = update(session, batch, a, step, temperature, seq_len, pad)
-    return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing)
+        updates = policy.update(batch, step, data.sft)
+    return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing, timings)
 
 
-def publish(session: Session, task: LoadedTask, step: int, version: int, probe: tuple[TrainBatch, Gate],
-            eval_set: Prompts | None, timings: dict[str, float]) -> dict[str, float]:
+def publish(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, fleet: RolloutFleet, step: int,
+            version: int, probe: tuple[TrainBatch, Gate], eval_set: Prompts | None) -> Published:
     """Sync the updated weights as `version`, verify them every `rollout.verify_every` versions,
-    evaluate every `evaluation.interval` steps; returns their metrics (collective)."""
-    cfg = session.cfg
+    evaluate every `evaluation.interval` steps; returns their metrics and timings (collective)."""
+    timings: dict[str, float] = {}
     with timed(timings, "sync"):
-        session.wake_servers()
-        extra = sync_phase.sync_metrics(sync_phase.push_weights(session, version))
+        fleet.wake()
+        extra = sync_metrics(fleet.push(policy, version))
         if cfg.rollout.verify_every and version % cfg.rollout.verify_every == 0:
             batch, gate = probe
-            extra.update(sync_phase.verify(session, batch, version, gate))
+            extra.update(fleet.verify(policy, batch, version, gate))
     if eval_set is not None and step % cfg.evaluation.interval == 0:
         with timed(timings, "eval"):
-            extra.update(evaluate(session, eval_set, task, version))
-    return extra
-
-
-def open_metrics_log(cfg: RecipeConfig, run_dir: Path, start: int) -> MetricsLog | None:
-    """Rank 0 is the one writer of metrics.jsonl, TensorBoard and W&B (every rank has the same
-    step metrics); W&B records the resolved recipe as the run's config."""
-    if dist.get_rank() != 0:
-        return None
-    lg = cfg.logging
-    return MetricsLog(run_dir, start, lg.tensorboard, lg.wandb_project, run_dir.name, to_dict(cfg))
-
-
-def _pad(session: Session) -> int:
-    return session.tokenizer.pad_token_id or 0
-
-
-def _decoder(session: Session):  # noqa: ANN202
-    return lambda ids: session.tokenizer.decode(ids, skip_special_tokens=True)
+            extra.update(fleet.evaluate(eval_set, task, version, data.decode))
+    return Published(extra, timings)

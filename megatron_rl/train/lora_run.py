@@ -1,39 +1,14 @@
-"""LoRA in a training session: the reference is the actor's own base, syncs send merged touched
-tensors, checkpoints record (and resumes check) the base the adapters belong to."""
+"""Every weight sync of a run, LoRA or not: with LoRA only the adapted tensors (merged)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 import torch
 
-from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor
-from ..megatron.checkpoint import COMPLETE
-from ..megatron.lora import adapters_disabled, merged_deltas
-from ..types import TrainBatch
+from ..megatron.lora import merged_deltas
 from ..weights.adapters import WeightAdapter
-from ..weights.lora_sync import check_base, lora_record, sync_lora
+from ..weights.lora_sync import sync_lora
 from ..weights.sync import SyncReport, Transport, sync_weights
-
-
-class BaseReference:
-    """The reference policy of `model.reference: init` under LoRA: the actor with its adapters
-    switched off (the frozen base is the initial model), no second copy of the weights."""
-
-    def __init__(self, actor: Actor) -> None:
-        self.actor = actor
-
-    def compute_logprobs(self, batch: TrainBatch, temperature: float) -> torch.Tensor:
-        # The reference routes by itself, as a separate reference actor does (`routing_replay_default`).
-        with adapters_disabled(self.actor.model):
-            return self.actor.compute_logprobs(batch, temperature, replay=False)
-
-
-def uses_base_reference(cfg: RecipeConfig) -> bool:
-    return cfg.lora.rank > 0 and cfg.model.reference == "init"
 
 
 def sync(actor: Actor, adapter: WeightAdapter, transport: Transport | None, version: int,
@@ -49,24 +24,3 @@ def sync(actor: Actor, adapter: WeightAdapter, transport: Transport | None, vers
         actor.base_synced = True
         return report
     return sync_lora(actor.model, adapter, transport, version, dtype)
-
-
-def checkpoint_extra(cfg: RecipeConfig, init_path: str, hf_dir: str) -> dict[str, Any]:
-    """`extra` entries of a LoRA checkpoint ({} without LoRA)."""
-    lo = cfg.lora
-    return lora_record(lo.rank, lo.alpha, list(lo.targets), init_path, hf_dir) if lo.rank > 0 else {}
-
-
-def check_resume(cfg: RecipeConfig, checkpoint: Path, init_path: str) -> None:
-    """A LoRA checkpoint resumes only onto its own base and adapter shape (checked before loading)."""
-    where = str(checkpoint)
-    rec = json.loads((checkpoint / COMPLETE).read_text()).get("extra", {}).get("lora")
-    if (rec is None) != (cfg.lora.rank == 0):
-        raise ValueError(f"{where}: checkpoint {'has no' if rec is None else 'has'} LoRA adapters, the recipe "
-                         f"{'trains' if cfg.lora.rank else 'does not train'} LoRA (lora.rank {cfg.lora.rank})")
-    if rec is not None:
-        got = (rec["rank"], rec["alpha"], rec["targets"])
-        if got != (cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets)):
-            raise ValueError(f"{where}: adapters are (rank, alpha, targets) {got}, the recipe asks for "
-                             f"{(cfg.lora.rank, cfg.lora.alpha, list(cfg.lora.targets))}")
-        check_base(rec["base"], init_path, where)

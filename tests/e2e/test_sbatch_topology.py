@@ -135,7 +135,7 @@ def test_rendered_steps_start_what_the_plan_counts(recipe: Path, tmp_path: Path)
         assert rollout["tp"] * rollout["dp"] == step_gpus
         assert {tuple(train_args(c)[1:]) for c in torchrun} == {("--resume",)}     # the servers' hosts come from them
     else:
-        # Colocated: each trainer node's first rank starts that node's server (train/placement.py),
+        # Colocated: each trainer node's first rank starts that node's server (train/fleet.py),
         # listening on the node's name so that rank 0 reaches it: the plan's servers, TP × DP GPUs each.
         assert servers == [] and rollout["servers"] == train_nodes
         assert rollout["tp"] * rollout["dp"] == gpus_per_node and rollout["gpus"] == train_nodes * gpus_per_node

@@ -150,7 +150,7 @@ def test_resume_refuses_adapters_of_another_base_or_shape(tmp_path: Path) -> Non
     from megatron_rl.megatron import cpu_compat
 
     cpu_compat.apply()          # what `megatron-rl train` does before importing the trainer
-    from megatron_rl.train.lora_run import check_resume
+    from megatron_rl.train.run import check_lora_resume
     from megatron_rl.weights.lora_sync import lora_record
 
     base = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "base", seed=0)
@@ -160,13 +160,13 @@ def test_resume_refuses_adapters_of_another_base_or_shape(tmp_path: Path) -> Non
     ckpt.mkdir()
     (ckpt / "complete.json").write_text(json.dumps({"extra": lora_record(8, 16.0, ["q", "k", "v", "o"], base, base)}))
     cfg = load_recipe(REPO / "recipes/tiny/grpo_lora.yaml")
-    check_resume(cfg, ckpt, str(base))                                  # its own base: fine
+    check_lora_resume(cfg, ckpt, str(base))                                  # its own base: fine
     with pytest.raises(ValueError, match="trained on the base"):
-        check_resume(cfg, ckpt, str(other))
+        check_lora_resume(cfg, ckpt, str(other))
     with pytest.raises(ValueError, match="rank, alpha, targets"):
-        check_resume(load_recipe(REPO / "recipes/tiny/grpo_lora.yaml", ["lora.rank=4"]), ckpt, str(base))
+        check_lora_resume(load_recipe(REPO / "recipes/tiny/grpo_lora.yaml", ["lora.rank=4"]), ckpt, str(base))
     with pytest.raises(ValueError, match="does not train LoRA"):
-        check_resume(load_recipe(REPO / "recipes/tiny/grpo.yaml"), ckpt, str(base))
+        check_lora_resume(load_recipe(REPO / "recipes/tiny/grpo.yaml"), ckpt, str(base))
 
 
 def test_lora_dropout_is_peft_s_on_the_adapter_input_only(tmp_path: Path) -> None:

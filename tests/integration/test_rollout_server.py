@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from megatron_rl.rollout.client import RolloutClient, SamplingSettings
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.server import RolloutServer
 from megatron_rl.rollout.supervisor import ServerSupervisor
 from megatron_rl.weights.transport_file import FileTransport
@@ -31,7 +33,7 @@ def test_samples_and_logprobs_match_transformers_fp32(server: RolloutServer) -> 
 
     client = RolloutClient.for_server(server)
     temperature = 0.7
-    settings = SamplingSettings(n=4, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=8)
+    settings = RolloutConfig(n=4, temperature=temperature, top_p=1.0, top_k=-1, max_response_length=8)
     groups = client.generate(prompts(3), settings)
     assert [len(g) for g in groups] == [4, 4, 4]
     model = AutoModelForCausalLM.from_pretrained(demo_assets()["model"], dtype=torch.float32)
@@ -57,7 +59,7 @@ def test_greedy_samples_stop_at_eos_exactly_like_transformers(server: RolloutSer
     batch = prompts(4)
     limit = 40
     got = RolloutClient.for_server(server).generate(
-        batch, SamplingSettings(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=limit, logprobs_mode="raw"))
+        batch, RolloutConfig(n=1, max_response_length=limit), greedy=True)
     model = AutoModelForCausalLM.from_pretrained(demo_assets()["model"], dtype=torch.float32)
     stopped = 0
     for prompt, (sample,) in zip(batch, got):
@@ -81,8 +83,8 @@ def test_requests_without_the_run_token_are_refused(server: RolloutServer, path:
     assert httpx.post(server.base_url + path, json=body, headers=wrong, timeout=10).status_code == 401
     assert server.rpc("mrl_weight_version") == ["0"]        # nothing reached the worker
     # Not paused by the refused /pause: an authenticated request is still served promptly.
-    quick = RolloutClient.for_server(server, timeout_s=60, max_retries=0)
-    assert len(quick.generate(prompts(1), SamplingSettings(1, 1.0, 1.0, -1, 2))[0]) == 1
+    quick = RolloutClient.for_server(server, replace(server.cfg, request_timeout_s=60, max_retries=0))
+    assert len(quick.generate(prompts(1), RolloutConfig(n=1, max_response_length=2))[0]) == 1
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
     assert oct((server.rollout_dir / "token").stat().st_mode & 0o777) == "0o600"
 
@@ -105,9 +107,9 @@ class KillAfter(RolloutClient):
 
 
 def test_killed_server_is_restarted_and_the_batch_completes(server: RolloutServer) -> None:
-    s = SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16)
+    s = RolloutConfig(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=16)
     batch = prompts(24)
-    client = KillAfter.for_server(server, max_concurrency=2, max_retries=6,
+    client = KillAfter.for_server(server, replace(server.cfg, max_concurrency=2, max_retries=6),
                                   on_failure=ServerSupervisor(server, FileTransport(server)), victim=server, after=3)
     got = client.generate(batch, s)
     assert client.killed_pid is not None

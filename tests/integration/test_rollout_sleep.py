@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from megatron_rl.rollout.client import RolloutClient, SamplingSettings
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.server import RolloutServer
 from tests.helpers.rollout import demo_assets, start_server
 
@@ -39,5 +40,5 @@ def test_sleep_and_wake_keep_the_weights(server: RolloutServer, level: int) -> N
     server.wake_up()
     assert not server.is_sleeping()
     assert client.prompt_logprobs(seqs) == before            # bit-identical: nothing was dropped on CPU
-    out = client.generate([seqs[0]], SamplingSettings(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4))
+    out = client.generate([seqs[0]], RolloutConfig(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=4))
     assert len(out[0]) == 2 and all(1 <= len(s.response_ids) <= 4 for s in out[0])   # the engine generates again

@@ -52,13 +52,14 @@ def check_replay(result: dict[str, Any]) -> None:
 
 def vllm_batch(server: Any, model_dir: Path) -> tuple[Any, list[np.ndarray], list[list[int]]]:
     """8 samples (4 prompts × 2) from the server, their re-scored routes, and the TrainBatch."""
-    from megatron_rl.rollout.client import RolloutClient, SamplingSettings
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.routes import rescore_routes, routes_batch
     from megatron_rl.types import TrainBatch
     from tests.helpers.rollout import prompts
 
     groups = RolloutClient.for_server(server).generate(
-        prompts(4), SamplingSettings(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=12))
+        prompts(4), RolloutConfig(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=12))
     samples = [s for g in groups for s in g]
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     routes = rescore_routes(server, seqs)

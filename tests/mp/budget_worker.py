@@ -89,7 +89,7 @@ def run(hf_dir: str, layout: ParallelismConfig, objective: str, budget: int | No
     batch.old_logprobs, batch.ref_logprobs = old, old.clone() - 0.05
     if objective == "chord":
         add_sft(batch, hf["vocab_size"])
-    metrics = [actor.train_step(batch, OBJECTIVES[objective], objective, temperature=1.0, rl_step=s)
+    metrics = [actor.train_step(batch, OBJECTIVES[objective], temperature=1.0, rl_step=s)
                for s in range(2)]
     weights = torch.cat([p.detach().reshape(-1).clone() for p in actor.model.parameters()])
     mbs = actor._local_microbatches(batch)

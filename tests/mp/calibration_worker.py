@@ -26,7 +26,7 @@ from megatron_rl.config.schema import AlgorithmConfig, RolloutConfig, TrainerCon
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.rollout.client import RolloutClient, SamplingSettings  # noqa: E402
+from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
 from megatron_rl.train import verification  # noqa: E402
 from megatron_rl.weights.adapters import adapter_for  # noqa: E402
@@ -45,7 +45,8 @@ def sampled(client: RolloutClient | None, vocab: int) -> object:
     if client is not None:
         g = torch.Generator().manual_seed(11)
         prompts = [torch.randint(3, vocab, (9,), generator=g).tolist() for _ in range(4)]
-        settings = SamplingSettings(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=verification.PROBE_TOKENS)
+        settings = RolloutConfig(n=1, temperature=1.0, top_p=1.0, top_k=-1,
+                                 max_response_length=verification.PROBE_TOKENS)
         responses = [group[0].response_ids for group in client.generate(prompts, settings)]
         box[0] = verification.sampled_probe(prompts, responses, 9 + verification.PROBE_TOKENS, 0)
     dist.broadcast_object_list(box, src=0)
@@ -64,7 +65,7 @@ def main() -> None:
         host, port = url.rsplit(":", 1)
         handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                token=Path(token_file).read_text(), port=int(port))
-        client = RolloutClient(url, handle.token, "policy", stop_token_ids=[])
+        client = RolloutClient(url, handle.token, "policy", RolloutConfig(), stop_token_ids=[])
     actor = Actor(build_model_recipe(hf, layout, dtype), 2, Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
@@ -89,7 +90,7 @@ def main() -> None:
     result["synced"] = stats_of(actor, client, batch)
     train = make_batch(hf["vocab_size"])
     train.old_logprobs = actor.compute_logprobs(train, 1.0)
-    actor.train_step(train, AlgorithmConfig(), "grpo", 1.0, 0)
+    actor.train_step(train, AlgorithmConfig(), temperature=1.0, rl_step=0)
     version += 1
     sync_weights(actor.model, adapter, good, version, dtype)
     result["trained"] = stats_of(actor, client, batch)

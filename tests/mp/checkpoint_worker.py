@@ -47,10 +47,10 @@ def main() -> None:
     load_hf_into_model(actor.model, hf_dir)
     actor.optimizer.reload_model_params()
     batch.old_logprobs = logprobs(actor, batch)
-    actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
+    actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)
     reference = logprobs(actor, batch)
     save_checkpoint(actor, ckpt, extra={"epoch": 3})
-    actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 1)
+    actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=1)
     after_step = logprobs(actor, batch)
     result = {}
     for name, layout in LAYOUTS.items():
@@ -65,7 +65,7 @@ def main() -> None:
                  "step": other.step, "extra": extra, "optimizer_loaded": optimizer_loaded}
         if optimizer_loaded:
             # Same optimizer state ⇒ the next step is the same as the saver's next step.
-            other.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 1)
+            other.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=1)
             entry["logprob_diff_after_step"] = (logprobs(other, batch) - after_step).abs().max().item()
         result[name] = entry
     finish(result, out)

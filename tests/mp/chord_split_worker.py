@@ -42,7 +42,7 @@ def run(hf_dir: str, layout: ParallelismConfig) -> list[float]:
     sft = make_batch(hf["vocab_size"], rows=2, length=20, seed=11)
     batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)
     batch.sft_tokens, batch.sft_mask = sft.tokens, sft.mask
-    return [actor.train_step(batch, CHORD, "chord", 1.0, rl_step=s)["loss/total"] for s in range(2)]
+    return [actor.train_step(batch, CHORD, temperature=1.0, rl_step=s)["loss/total"] for s in range(2)]
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E
 from megatron_rl.megatron.checkpoint import DiskFullError, latest_checkpoint, save_checkpoint  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.train.setup import init_process_group  # noqa: E402
+from megatron_rl.train.run import init_process_group  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from layouts_worker import make_batch  # noqa: E402
@@ -38,7 +38,7 @@ def main() -> None:
                   2, Training(TrainerConfig(lr=1e-3), ParallelismConfig(), total_updates=10))
     batch = make_batch(read_hf_config(hf_dir)["vocab_size"])     # one step: the optimizer has state
     batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)
-    actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
+    actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)
     saved = save_checkpoint(actor, Path(roomy) / "step_00000001", {"step": 1})
     result = {"roomy_latest": str(latest_checkpoint(roomy)), "roomy_saved": str(saved)}
     try:

@@ -24,8 +24,7 @@ from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E4
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.train.run_control import agree_on_stop  # noqa: E402
-from megatron_rl.train.setup import init_process_group  # noqa: E402
+from megatron_rl.train.run import agree_on_stop, init_process_group  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -52,7 +51,7 @@ def main() -> None:
     logp = actor.compute_logprobs(batch, 1.0)
     result["logprobs_finite"] = bool(torch.isfinite(logp).all())
     batch.old_logprobs = logp
-    metrics = actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
+    metrics = actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)
     result["step_finite"] = bool(metrics) and all(math.isfinite(float(v)) for v in metrics.values())
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     dist.barrier()

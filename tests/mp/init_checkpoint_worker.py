@@ -24,7 +24,7 @@ from megatron_rl.config.schema import ModelConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import init_checkpoint, read_hf_config  # noqa: E402
-from megatron_rl.train.session import _load_init  # noqa: E402
+from megatron_rl.train.policy import load_init  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def logprobs(hf: dict, layout, path: str | None, trainable: bool) -> torch.Tenso
     recipe = build_model_recipe(hf, layout, torch.float32)
     actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3), layout, 10) if trainable else None)
     if path is not None:                                 # None: the random initialisation (a control)
-        _load_init(actor, path)
+        load_init(actor, path)
     return actor.compute_logprobs(make_batch(hf["vocab_size"]), temperature=1.0)
 
 

@@ -39,7 +39,7 @@ LAYOUTS = {
 # (at 1 the ratio is 1 by construction and the second step would not test the ratio).
 OBJECTIVES = {
     "grpo": AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.05, steps_per_generation=2),
-    "gspo": AlgorithmConfig(clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="seq-mean-token-mean",
+    "gspo": AlgorithmConfig(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="seq-mean-token-mean",
                             steps_per_generation=2),
 }
 
@@ -69,7 +69,7 @@ def run_layout(hf_dir: str, layout: ParallelismConfig, objective: str) -> tuple[
     batch.ref_logprobs = old.clone()
     losses = []
     for step in range(2):
-        metrics = actor.train_step(batch, OBJECTIVES[objective], objective, temperature=1.0, rl_step=step)
+        metrics = actor.train_step(batch, OBJECTIVES[objective], temperature=1.0, rl_step=step)
         losses.append(metrics["loss/total"])
     weights, chunked, parts = {}, {}, [0, 0]
     for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):

@@ -15,7 +15,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_rl.train.setup import init_process_group
+from megatron_rl.train.run import init_process_group
 
 
 def listening(pid: int) -> list[str]:

@@ -48,7 +48,7 @@ def build(hf_dir: str, layout: ParallelismConfig, lora: LoraConfig) -> Actor:
 
 
 def step(actor: Actor, batch: TrainBatch, rl_step: int) -> torch.Tensor:
-    actor.train_step(batch, ALGO, "grpo", 1.0, rl_step)
+    actor.train_step(batch, ALGO, temperature=1.0, rl_step=rl_step)
     return actor.compute_logprobs(batch, temperature=1.0)
 
 

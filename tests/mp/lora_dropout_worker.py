@@ -128,7 +128,7 @@ def run_layout(hf_dir: str, name: str) -> dict:
     result["eval_deterministic"] = bool(torch.equal(old, again))
     batch.old_logprobs, batch.ref_logprobs = old, old.clone()
     for spg in (1, 2):
-        metrics = actor.train_step(batch, AlgorithmConfig(**GSPO, steps_per_generation=spg), "gspo",
+        metrics = actor.train_step(batch, AlgorithmConfig(**GSPO, steps_per_generation=spg),
                                    temperature=1.0, rl_step=0)
         result[f"clipped_spg{spg}"] = sum(v for k, v in metrics.items() if "clip_" in k and "frac" in k)
         result.setdefault("metric_keys", sorted(metrics))

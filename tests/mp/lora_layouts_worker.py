@@ -94,7 +94,7 @@ def run_layout(hf_dir: str, layout: ParallelismConfig, lora: LoraConfig) -> dict
     batch.old_logprobs, batch.ref_logprobs = old, old.clone()
     losses, grad_norms, grads = [], [], {}
     for step in range(2):
-        metrics = actor.train_step(batch, ALGO, "grpo", temperature=1.0, rl_step=step)
+        metrics = actor.train_step(batch, ALGO, temperature=1.0, rl_step=step)
         losses.append(metrics["loss/total"])
         grad_norms.append(metrics["grad_norm"])
         if step == 0:

@@ -54,7 +54,7 @@ def main() -> None:
             host, port = url.rsplit(":", 1)
             handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                    token=Path(token_file).read_text(), port=int(port))
-            client = RolloutClient(url, handle.token, "policy", stop_token_ids=[])   # log-probs only
+            client = RolloutClient(url, handle.token, "policy", RolloutConfig(), stop_token_ids=[])   # log-probs only
             transport = FileTransport(handle, segment_bytes=1 << 16)
         actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), 2,
                       Training(TrainerConfig(lr=3e-2), LAYOUTS[name], total_updates=10), lora=lora)
@@ -65,7 +65,7 @@ def main() -> None:
         batch.ref_logprobs = batch.old_logprobs.clone()
         entry: dict = {}
         for attempt in range(3):
-            actor.train_step(batch, ALGO, "grpo", 1.0, attempt)     # the server is now stale
+            actor.train_step(batch, ALGO, temperature=1.0, rl_step=attempt)     # the server is now stale
             entry[f"before_{attempt}"] = server_diff(actor, client, probe)
             version += 1
             report = sync_lora(actor.model, adapter, transport, version, torch.float32)

@@ -109,7 +109,7 @@ def run(hf_dir: str, name: str, layout: ParallelismConfig, dtype: torch.dtype) -
         return entry
     batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)
     algorithm = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, steps_per_generation=2)
-    entry["losses"] = [actor.train_step(batch, algorithm, "grpo", 1.0, rl_step=s)["loss/total"] for s in range(2)]
+    entry["losses"] = [actor.train_step(batch, algorithm, temperature=1.0, rl_step=s)["loss/total"] for s in range(2)]
     weights: dict = {}
     for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):
         weights.update(part)

@@ -20,7 +20,7 @@ cpu_compat.apply()   # explicit: the trainer's modules import megatron-core
 
 from megatron_rl.config.loader import load_recipe, to_dict  # noqa: E402
 from megatron_rl.megatron.devices import backend, init_distributed  # noqa: E402
-from megatron_rl.train.loop import open_metrics_log  # noqa: E402
+from megatron_rl.train.metrics import open_metrics_log  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 

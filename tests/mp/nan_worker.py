@@ -48,18 +48,18 @@ def main() -> None:
     bad.old_logprobs = batch.old_logprobs
     bad.advantages = batch.advantages.clone()
     bad.advantages[3] = math.nan
-    m_bad = actor.train_step(bad, AlgorithmConfig(), "grpo", 1.0, 0)
+    m_bad = actor.train_step(bad, AlgorithmConfig(), temperature=1.0, rl_step=0)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
     lr_after_bad = m_bad["lr"]
     # A NaN gradient under a finite loss, on one rank only: rank 1 poisons one parameter's
     # gradient as backward computes it. The skip must be agreed by every rank.
     param = next(p for p in actor.model.parameters() if p.requires_grad)
     hook = param.register_hook(lambda g: torch.full_like(g, math.nan)) if dist.get_rank() == 1 else None
-    m_grad = actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
+    m_grad = actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)
     if hook is not None:
         hook.remove()
     unchanged_grad = all(torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
-    m_good = actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)
+    m_good = actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)
     changed = any(not torch.equal(a, b) for a, b in zip(before, snapshot(actor)))
     skipped = torch.tensor([m_grad["update_skipped"]])
     dist.all_reduce(skipped, op=dist.ReduceOp.MIN)       # 1 only if every rank skipped

@@ -110,9 +110,9 @@ def run_layout(hf_dir: str, layout: ParallelismConfig, ref: dict[str, torch.Tens
     batch = make_batch(hf["vocab_size"], rows=4, length=80)   # > 64: two chunks of the delta rule
     batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)
     batch.ref_logprobs = batch.old_logprobs.clone()
-    steps = [actor.train_step(batch, OBJECTIVES["grpo"], "grpo", 1.0, 0)]
+    steps = [actor.train_step(batch, OBJECTIVES["grpo"], temperature=1.0, rl_step=0)]
     grads = step_one_grads(actor)
-    steps.append(actor.train_step(batch, OBJECTIVES["grpo"], "grpo", 1.0, 1))
+    steps.append(actor.train_step(batch, OBJECTIVES["grpo"], temperature=1.0, rl_step=1))
     result["losses"] = [m["loss/total"] for m in steps]
     result["grad_norms"] = [m["grad_norm"] for m in steps]
     trained, _ = round_trip(actor, hf_dir)

@@ -163,7 +163,7 @@ def run_layout(hf_dir: str, name: str, batch: TrainBatch) -> dict:
     res["budget_replay_logprob_diff"] = float(((budget - old).abs() * batch.mask).max())
     batch = dataclasses.replace(batch, old_logprobs=old, ref_logprobs=old.clone())
     start_logs(actor)
-    metrics = actor.train_step(batch, AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28), "grpo",
+    metrics = actor.train_step(batch, AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28),
                                temperature=1.0, rl_step=0)
     recomputed = None
     if actor.config.recompute_granularity == "full":

@@ -80,7 +80,7 @@ def main() -> None:
             host, port = url.rsplit(":", 1)
             handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                    token=Path(token_file).read_text(), port=int(port))
-            client = RolloutClient(url, handle.token, "policy", stop_token_ids=[])   # log-probs only
+            client = RolloutClient(url, handle.token, "policy", RolloutConfig(), stop_token_ids=[])   # log-probs only
         actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), 2,
                       Training(TrainerConfig(lr=1e-2), LAYOUTS[name], total_updates=10))
         load_hf_into_model(actor.model, hf_dir)
@@ -92,7 +92,7 @@ def main() -> None:
         # (64 KiB segments: really split). A fresh one for the corrupted sync.
         good = FileTransport(handle, segment_bytes=1 << 16) if rank0 else None
         for attempt in ("first", "second", "corrupted"):
-            actor.train_step(batch, AlgorithmConfig(), "grpo", 1.0, 0)   # the server is now stale
+            actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)   # the server is now stale
             entry[f"{attempt}_before_sync"] = server_diff(actor, client, probe)
             transport = (CorruptingTransport(handle, segment_bytes=1 << 16) if attempt == "corrupted" else good) \
                 if rank0 else None

@@ -24,7 +24,7 @@ from megatron_rl.config.schema import AlgorithmConfig, RolloutConfig, TrainerCon
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.rollout.client import RolloutClient, SamplingSettings  # noqa: E402
+from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
 from megatron_rl.train import verification  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
@@ -76,7 +76,8 @@ def generated_gap(actor: Actor, client: RolloutClient | None, vocab: int) -> dic
     box: list = [None]
     if client is not None:
         prompts = [[5, 9, 17, 33, 65, 3, 7, 11], [2, 4, 8, 16, 32, 64, 128, 200]]
-        box[0] = client.generate(prompts, SamplingSettings(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=12))
+        sampling = RolloutConfig(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=12)
+        box[0] = client.generate(prompts, sampling)
     dist.broadcast_object_list(box, src=0)
     samples = [s for group in box[0] for s in group]
     length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -104,7 +105,7 @@ def main() -> None:
         host, port = url.rsplit(":", 1)
         handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                token=Path(token_file).read_text(), port=int(port))
-        client = RolloutClient(url, handle.token, "policy", stop_token_ids=[])
+        client = RolloutClient(url, handle.token, "policy", RolloutConfig(), stop_token_ids=[])
     actor = Actor(build_model_recipe(hf, LAYOUTS[layout], dtype), 2,
                   Training(TrainerConfig(lr=1e-3), LAYOUTS[layout], total_updates=10))
     load_hf_into_model(actor.model, hf_dir)
@@ -122,7 +123,7 @@ def main() -> None:
     result["generated"] = generated_gap(actor, client, hf["vocab_size"])
     train = make_batch(hf["vocab_size"])
     train.old_logprobs = actor.compute_logprobs(train, 1.0)
-    actor.train_step(train, AlgorithmConfig(), "grpo", 1.0, 0)
+    actor.train_step(train, AlgorithmConfig(), temperature=1.0, rl_step=0)
     result["stale"] = stats_of(actor, client, batch)
     sync_weights(actor.model, adapter, good, 2, dtype)
     result["trained"] = stats_of(actor, client, batch)

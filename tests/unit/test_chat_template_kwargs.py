@@ -54,8 +54,7 @@ def test_prompt_rendering_takes_the_template_variables(hybrid_tokenizer: Path) -
 
 
 def test_training_eval_and_sft_prompts_get_the_recipe_s_variables(hybrid_tokenizer: Path, tmp_path: Path) -> None:
-    from megatron_rl.train.eval_phase import load_eval_set
-    from megatron_rl.train.setup import load_prompts, load_sft_tokens
+    from megatron_rl.train.data import load_eval_set, load_prompts, load_sft_tokens
 
     tok = _tokenizer(hybrid_tokenizer)
     prompts = tmp_path / "p.jsonl"

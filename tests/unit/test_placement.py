@@ -1,4 +1,4 @@
-"""Rank 0's side of the per-node servers (train/placement.py), pure logic: waiting for the nodes'
+"""Rank 0's side of the per-node servers (train/fleet.py), pure logic: waiting for the nodes'
 published addresses, a node's start-up error, a loopback address on another host, and which node
 a rank is on. The real two-node run is tests/e2e/test_colocated_nodes.py."""
 
@@ -14,16 +14,20 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_rl.config import load_recipe
-from megatron_rl.train.placement import (
+from megatron_rl.megatron import cpu_compat
+
+cpu_compat.apply()   # as `megatron-rl train` does: the fleet imports the actor and the weight sync
+
+from megatron_rl.config import load_recipe  # noqa: E402
+from megatron_rl.train.fleet import (  # noqa: E402
     ERROR_FILE,
     PlacementError,
-    attach_peer,
+    attach_published,
     node_dir,
     node_position,
     wait_for_servers,
 )
-from tests.helpers.rollout import REPO
+from tests.helpers.rollout import REPO  # noqa: E402
 
 
 def publish(run: Path, node: int, info: dict | str, name: str = "server.json") -> None:
@@ -63,7 +67,7 @@ def test_loopback_server_of_another_host_is_refused(tmp_path: Path) -> None:
     cfg = load_recipe(REPO / "recipes/tiny/grpo.yaml")
     info = {"url": "http://127.0.0.1:9", "hostname": socket.gethostname() + "-other"}
     with pytest.raises(PlacementError, match=r"node 1 \(.*-other\) listens on 127\.0\.0\.1.*rollout\.host"):
-        attach_peer(tmp_path, 1, info, cfg)
+        attach_published(node_dir(tmp_path, 1), "node 1", info, cfg)
 
 
 def test_node_position_from_torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,8 +24,8 @@ from megatron_rl.megatron.checkpoint import (  # noqa: E402
     remove_partial_checkpoints,
 )
 from megatron_rl.rollout import shm  # noqa: E402
-from megatron_rl.train.metrics_log import MetricsLog  # noqa: E402
-from megatron_rl.train.setup import never_started  # noqa: E402
+from megatron_rl.train.metrics import MetricsLog  # noqa: E402
+from megatron_rl.train.run import never_started  # noqa: E402
 from tests.helpers.rollout import REPO  # noqa: E402
 from tests.helpers.train import ENV  # noqa: E402
 
@@ -113,7 +113,7 @@ def test_a_live_semaphore_is_in_use_though_its_creator_maps_it_under_another_nam
 def test_a_world_of_one_listens_on_loopback_only() -> None:
     code = """
 import os, psutil, torch, torch.distributed as dist
-from megatron_rl.train.setup import init_process_group
+from megatron_rl.train.run import init_process_group
 init_process_group()
 t = torch.ones(3); dist.all_reduce(t); dist.barrier()
 listening = [c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]

@@ -10,7 +10,7 @@ import torch
 
 from megatron_rl.tasks import resolve_task
 from megatron_rl.train.batch import Scores, build_batch, kl_penalty, score_groups, with_advantages
-from megatron_rl.train.data_order import DataOrder
+from megatron_rl.train.data import DataOrder
 from megatron_rl.types import RolloutGroup, Sample
 
 

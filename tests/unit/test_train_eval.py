@@ -12,9 +12,12 @@ def _group(record: dict, text: str) -> RolloutGroup:
                                            text=text)])
 
 def test_igakuqa_eval_prompts_are_scored_with_the_benchmark_rule() -> None:
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()          # what `megatron-rl train` does before importing the trainer
     from megatron_rl.tasks import resolve_task
     from megatron_rl.train.batch import Scores
-    from megatron_rl.train.eval_phase import eval_metrics
+    from megatron_rl.train.fleet import eval_metrics
 
     def q(pid: str, answer: list[str], points: int, kinki: list[str] = (), alternatives: list = ()) -> dict:
         return {"id": pid, "source": "igakuqa", "choices": list("abcde"), "answer": answer,
