@@ -146,7 +146,8 @@ def test_the_reader_sees_relative_lazy_and_type_checking_imports(tmp_path: Path)
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "sub" / "__init__.py").write_text("from . import leaf\n")
-    (pkg / "sub" / "leaf.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..top import T\n")
+    (pkg / "sub" / "leaf.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..top import T\n")
     (pkg / "top.py").write_text("import os\n\ndef f():\n    from .sub.leaf import g\n    from pkg.sub import leaf\n")
     graph = graph_of(pkg, tmp_path)
     assert graph == {"pkg": set(), "pkg.sub": {"pkg.sub.leaf"}, "pkg.sub.leaf": {"pkg.top"},
