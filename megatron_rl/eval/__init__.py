@@ -1,6 +1,4 @@
-"""Evaluation: the IgakuQA scoring rules (the benchmark's own by default), reports, exact McNemar
-comparisons, and multi-system tables in the published layouts.
-
-Submodules are imported by name (`megatron_rl.eval.scoring`, `.igakuqa_report`, `.stats`,
-`.compare`, `.table`); matplotlib is imported only when a plot is drawn.
+"""Evaluation that belongs to no one task: accuracy of single-answer MCQ predictions against the
+prompt files they were generated from (`mcq.py`, `megatron-rl eval mcq`). A benchmark's own rules
+and reports live with its task (e.g. `megatron_rl/tasks/igakuqa/`).
 """
