@@ -31,8 +31,8 @@ from ..schedule import warmup_updates
 from ..types import TrainBatch
 from . import cpu_compat
 from .devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, compute_device, init_distributed
+from .gpt import ModelRecipe, build_gpt_model
 from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
-from .providers import ModelRecipe, ParallelLayout, build_gpt_model
 from .routing_replay import RoutingReplay, fit_routes
 
 cpu_compat.require_applied()   # megatron-core below needs the CPU patches on a machine without CUDA
@@ -47,7 +47,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 
-def init_parallel(layout: ParallelLayout, seed: int,
+def init_parallel(layout: ParallelismConfig, seed: int,
                   timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN) -> None:
     """torch.distributed (see `devices.init_distributed`) + Megatron's parallel groups, re-entrant.
     The groups wait as long as the world group (trainer.collective_timeout_min), not megatron's 30

@@ -14,8 +14,8 @@ from ..megatron.actor import Actor
 from ..megatron.checkpoint import COMPLETE
 from ..megatron.lora import adapters_disabled, merged_deltas
 from ..types import TrainBatch
-from ..weights.adapters import WeightAdapter
 from ..weights.lora_sync import check_base, lora_record, sync_lora
+from ..weights.map import WeightAdapter
 from ..weights.sync import SyncReport, Transport, sync_weights
 
 

@@ -17,16 +17,16 @@ import torch.distributed as dist
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, Training, init_parallel
 from ..megatron.checkpoint import load_weights
-from ..megatron.providers import build_model_recipe
 from ..model_config import init_checkpoint, is_megatron_checkpoint, read_hf_config
+from ..models import build_model, weight_map
 from ..rollout.client import MultiClient, RolloutClient, SamplingSettings
 from ..rollout.server import EXTERNAL_SERVERS_ENV, RolloutServer
 from ..rollout.shm import remove_stale_and_say
 from ..rollout.supervisor import ServerSupervisor
 from ..schedule import run_schedule
 from ..tasks import LoadedTask
-from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
+from ..weights.map import WeightAdapter
 from ..weights.sync import Transport
 from ..weights.transport_engine import make_transport
 from . import lora_run
@@ -46,7 +46,7 @@ class Session:
         self.init = init_checkpoint(cfg.model)
         self.hf_dir = self.init.hf_dir                       # HF config and tokenizer files
         self.hf = read_hf_config(self.hf_dir)
-        self.adapter = adapter_for(self.hf)
+        self.adapter = weight_map(self.hf)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or self.hf_dir)
         require_eos(self.tokenizer, cfg.model.tokenizer or self.hf_dir)
         self.dtype = torch.bfloat16 if (cfg.model.params_dtype == "bf16" or
@@ -61,10 +61,10 @@ class Session:
         self.prompts_per_step, self.total_steps = schedule.prompts_per_rollout, schedule.rollout_steps
         updates = schedule.updates
         init_parallel(cfg.parallelism, t.seed, t.collective_timeout_min)
-        recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
+        recipe = build_model(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
                            t.max_tokens_per_microbatch, lora=cfg.lora)
-        _load_init(self.actor, self.init.path)
+        _load_init(self.actor, self.init.path, self.adapter)
         self.reference: Any = None if a.kl_beta <= 0 else \
             lora_run.BaseReference(self.actor) if lora_run.uses_base_reference(cfg) else self._reference(recipe)
         self.sft = load_sft_tokens(_require(cfg.data.sft_path, "data.sft_path"), self.tokenizer,
@@ -85,7 +85,7 @@ class Session:
         ref = Actor(recipe, self.cfg.trainer.micro_batch_size, None, self.cfg.trainer.max_tokens_per_microbatch)
         path = _require(self.cfg.model.reference_path, "model.reference_path") if self.cfg.model.reference == "path" \
             else self.init.path
-        _load_init(ref, path)
+        _load_init(ref, path, self.adapter)
         return ref
 
     # ------------------------------------------------------------------ rollout server
@@ -174,12 +174,12 @@ def release_cached_gpu_memory() -> bool:
     return True
 
 
-def _load_init(actor: Actor, path: str) -> None:
+def _load_init(actor: Actor, path: str, adapter: WeightAdapter) -> None:
     """Starting weights from an HF directory or a Megatron dist-checkpoint (any layout)."""
     if is_megatron_checkpoint(path):
         load_weights(actor, path)
         return
-    load_hf_into_model(actor.model, path)
+    load_hf_into_model(actor.model, path, adapter)
     if actor.trainable:
         actor.optimizer.reload_model_params()   # fp32 master weights follow the loaded weights
 

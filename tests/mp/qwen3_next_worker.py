@@ -25,11 +25,10 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
-from megatron_rl.config.schema import TrainerConfig  # noqa: E402
+from megatron_rl.config.schema import ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.hf_io import HFCheckpointReader  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_to_rank0, local_params, unshard  # noqa: E402
@@ -40,10 +39,10 @@ from layouts_worker import OBJECTIVES, make_batch  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 LAYOUTS = {
-    "tp1": ParallelLayout(),
-    "tp2_sp": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True),
-    "ep2": ParallelLayout(expert_model_parallel_size=2),
-    "pp2": ParallelLayout(pipeline_model_parallel_size=2),
+    "tp1": ParallelismConfig(),
+    "tp2_sp": ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+    "ep2": ParallelismConfig(expert_model_parallel_size=2),
+    "pp2": ParallelismConfig(pipeline_model_parallel_size=2),
 }
 
 
@@ -64,7 +63,7 @@ def logits_diff(actor: Actor, ref: dict[str, torch.Tensor]) -> float | None:
 
 def round_trip(actor: Actor, hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
     """Megatron's full tensors on rank 0, and the HF tensors that do not come back bit-identical."""
-    adapter = adapter_for(read_hf_config(hf_dir))
+    adapter = weight_map(read_hf_config(hf_dir))
     full: dict[str, torch.Tensor] = {}
     for part in gather_to_rank0(actor.model, adapter.layers()):
         full.update(part)
@@ -98,12 +97,12 @@ def step_one_grads(actor: Actor) -> dict[str, torch.Tensor] | None:
     return {k: v for part in parts or [] for k, v in part.items()} or None
 
 
-def run_layout(hf_dir: str, layout: ParallelLayout, ref: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+def run_layout(hf_dir: str, layout: ParallelismConfig, ref: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, layout, torch.float32), 2,
+    actor = Actor(build_model(hf, layout, torch.float32), 2,
                   Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     result: dict = {"max_logit_diff": logits_diff(actor, ref)}
     _, result["round_trip"] = round_trip(actor, hf_dir)

@@ -31,34 +31,34 @@ cpu_compat.apply()
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
-from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
+from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import make_batch  # noqa: E402
 
 LAYOUTS = {
-    "tp1": ParallelLayout(),
-    "tp2_sp_ep2": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True,
-                                 expert_model_parallel_size=2, expert_tensor_parallel_size=1),
-    "pp2": ParallelLayout(pipeline_model_parallel_size=2),
+    "tp1": ParallelismConfig(),
+    "tp2_sp_ep2": ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                    expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+    "pp2": ParallelismConfig(pipeline_model_parallel_size=2),
     # Full recompute re-runs the routers in backward, after later micro-batches were fed (1F1B).
-    "pp2_recompute": ParallelLayout(pipeline_model_parallel_size=2, recompute_granularity="full",
-                                    recompute_method="uniform", recompute_num_layers=1),
+    "pp2_recompute": ParallelismConfig(pipeline_model_parallel_size=2, recompute_granularity="full",
+                                       recompute_method="uniform", recompute_num_layers=1),
 }
 MBS = 2
 SHAPE = {"rows": 8, "length": 24}
 
 
-def build(hf_dir: str, layout: ParallelLayout) -> Actor:
+def build(hf_dir: str, layout: ParallelismConfig) -> Actor:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    recipe = build_model_recipe(hf, layout, torch.float32)
+    recipe = build_model(hf, layout, torch.float32)
     actor = Actor(recipe, MBS, Training(TrainerConfig(lr=1e-3, clip_grad=1.0), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     assert actor.routing is not None and actor.replay_routes
     return actor

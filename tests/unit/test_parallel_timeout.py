@@ -14,15 +14,15 @@ cpu_compat.apply()
 
 from megatron.core import parallel_state as ps  # noqa: E402
 
+from megatron_rl.config.schema import ParallelismConfig  # noqa: E402
 from megatron_rl.megatron.actor import init_parallel  # noqa: E402
 from megatron_rl.megatron.devices import init_distributed  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout  # noqa: E402
 
 
 def test_megatron_groups_take_the_recipe_timeout() -> None:
     init_distributed(store=dist.HashStore())
     try:
-        init_parallel(ParallelLayout(), seed=1, timeout_min=7.5)
+        init_parallel(ParallelismConfig(), seed=1, timeout_min=7.5)
         groups = {"tp": ps.get_tensor_model_parallel_group(), "dp": ps.get_data_parallel_group(),
                   "ep": ps.get_expert_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group()}
         for name, group in groups.items():
