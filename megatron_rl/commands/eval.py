@@ -2,7 +2,7 @@
 
 `eval igakuqa --pred FILE_OR_DIR --gold DIR [--system NAME] [--rule R] [--json]` prints the report
 as markdown tables (or JSON). `eval mcq --pred FILE --gold PROMPTS [--by KEYS] [--json]` scores
-single-answer MCQ predictions (MedXpertQA, MedMCQA: `megatron_rl.eval.mcq`).
+single-answer MCQ predictions (MedXpertQA, MedMCQA: `megatron_rl.tasks.mcq.scoring`).
 `eval table LABEL=PATH... --gold DIR [--baseline LABEL] [--out DIR]`
 renders several systems in the published layouts (`megatron_rl.tasks.igakuqa.table`).
 `eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR] [--json]` prints McNemar
@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mcq = verbs.add_parser("mcq", help="accuracy of single-answer MCQ predictions (MedXpertQA, MedMCQA)",
                            description="Score `eval generate` output against the prompt file it was generated "
                                        "from: the [ans] tag or an explicit answer statement, with the question's "
-                                       "own option letters (megatron_rl/eval/mcq.py).")
+                                       "own option letters (megatron_rl/tasks/mcq/scoring.py).")
     mcq.add_argument("--pred", required=True, help="predictions JSONL ({problem_id, output}, from `eval generate`)")
     mcq.add_argument("--gold", required=True, help="the prompt JSONL (from `data prepare medxpertqa|medmcqa`)")
     mcq.add_argument("--by", default="", help="comma-separated metadata keys to break accuracy down by "
@@ -203,7 +203,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_mcq(args: argparse.Namespace) -> int:
     from megatron_rl.data.schema import DataError, read_prompts
-    from megatron_rl.eval.mcq import read_outputs, render_markdown, score_mcq
+    from megatron_rl.tasks.mcq.scoring import read_outputs, render_markdown, score_mcq
 
     try:
         prompts = read_prompts(args.gold)
