@@ -37,6 +37,15 @@ MODELS: Registry[str] = Registry("model architecture", {
 """HF `architectures[0]` → its folder."""
 
 
+class UnknownArchitecture(ValueError):
+    """A config whose architecture no folder builds; `named` is what it names (None: nothing)."""
+
+    def __init__(self, named: str | None, supported: list[str]) -> None:
+        self.named, self.supported = named, supported
+        super().__init__("the model config has no 'architectures' entry" if named is None else
+                         f"unsupported architecture {named!r}; supported: {', '.join(supported)}")
+
+
 def folder_spec(folder: str) -> ModelSpec:
     """The `SPEC` of `megatron_rl/models/<folder>/` (imports only its torch-free `__init__`)."""
     spec = importlib.import_module(f"{__name__}.{folder}").SPEC
@@ -51,7 +60,7 @@ def specs() -> list[ModelSpec]:
 
 def architecture(hf: dict[str, Any]) -> str:
     """The registered architecture `hf` describes: the first of its `architectures` the registry
-    knows, else the one its `model_type` names; `ValueError` naming what is supported otherwise."""
+    knows, else the one its `model_type` names; `UnknownArchitecture` otherwise."""
     names = list(hf.get("architectures") or [])
     for name in names:
         if name in MODELS:
@@ -60,10 +69,7 @@ def architecture(hf: dict[str, Any]) -> str:
     for spec in specs():
         if model_type in spec.model_types:
             return spec.model_types[str(model_type)]
-    named = names[0] if names else model_type
-    if named is None:
-        raise ValueError("the model config has no 'architectures' entry")
-    raise ValueError(f"unsupported architecture {named!r}; supported: {', '.join(MODELS.names())}")
+    raise UnknownArchitecture(names[0] if names else model_type, MODELS.names())
 
 
 def spec(hf: dict[str, Any]) -> ModelSpec:

@@ -272,8 +272,9 @@ def count_params(hf: Mapping[str, Any]) -> ModelParams:
     """Exact parameter counts of the model an HF config dict describes."""
     try:
         arch, spec = models.architecture(dict(hf)), models.planner_shape(dict(hf))
-    except ValueError as exc:
-        raise PlannerError(str(exc)) from None
+    except models.UnknownArchitecture as exc:
+        raise PlannerError(f"unsupported architecture {exc.named!r}; "
+                           f"the planner knows: {', '.join(exc.supported)}") from None
     d = read_dims(hf, spec)
     embedding = _block("embedding", Shard.TP, d.vocab * d.hidden)
     post = [_block("norms", Shard.REPLICATED, d.hidden),
