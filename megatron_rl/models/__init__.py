@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..model_config import with_hf_defaults
 from ..registry import Registry
-from .spec import ModelSpec, PlannerShape
+from .model_spec import ModelSpec, PlannerShape
 
 if TYPE_CHECKING:
     import torch

@@ -33,7 +33,7 @@ from typing import Any
 
 from .. import models
 from ..model_config import moe_layers, num_experts, with_hf_defaults
-from ..models.spec import PlannerShape
+from ..models.model_spec import PlannerShape
 
 COMPONENTS: tuple[str, ...] = ("embedding", "output", "attention", "linear_attention", "dense_mlp",
                                "moe_experts", "shared_experts", "router", "norms", "mtp")

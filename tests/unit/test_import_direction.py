@@ -2,7 +2,7 @@
 above them, and the CPU patches of megatron-core are an explicit call.
 
 Allowed: a model folder (`megatron_rl/models/<name>/`) imports `megatron/`, `weights/map.py`,
-`config`, `model_config`, `models/spec.py` and other folders; `megatron/` never imports
+`config`, `model_config`, `models/model_spec.py` and other folders; `megatron/` never imports
 `weights/` or `models/`; `weights/map.py` (the map's building blocks) imports nothing of the
 project. The registry (`megatron_rl.models`) sits above them all and reaches the folders only by
 name, and neither `megatron/gpt.py` nor `weights/` imports it. Read from the source (every import
@@ -23,7 +23,7 @@ from tests.mp.launch import REPO
 
 PKG = REPO / "megatron_rl"
 REGISTRY = "megatron_rl.models"
-SPEC = "megatron_rl.models.spec"
+SPEC = "megatron_rl.models.model_spec"
 
 
 def _module_name(path: Path) -> str:

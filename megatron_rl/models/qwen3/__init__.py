@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..spec import ModelSpec, PlannerShape, all_full_attention
+from ..model_spec import ModelSpec, PlannerShape, all_full_attention
 
 if TYPE_CHECKING:
     import torch

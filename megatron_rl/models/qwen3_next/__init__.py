@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..spec import ModelSpec, PlannerShape
+from ..model_spec import ModelSpec, PlannerShape
 from .layers import ARCH, layer_types
 
 if TYPE_CHECKING:
