@@ -49,12 +49,13 @@ class UnknownArchitecture(ValueError):
 def folder_spec(folder: str) -> ModelSpec:
     """The `SPEC` of `megatron_rl/models/<folder>/` (imports only its torch-free `__init__`)."""
     spec = importlib.import_module(f"{__name__}.{folder}").SPEC
-    assert isinstance(spec, ModelSpec), f"{__name__}.{folder}.SPEC is a {type(spec).__name__}"
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"{__name__}.{folder}.SPEC is a {type(spec).__name__}, not a ModelSpec")
     return spec
 
 
 def specs() -> list[ModelSpec]:
-    """Every folder's spec, in `MODELS` order."""
+    """Every folder's spec, once each (folders in the order of their first architecture's name)."""
     return [folder_spec(folder) for folder in dict.fromkeys(f for _, f in MODELS.items())]
 
 
