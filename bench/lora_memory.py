@@ -118,8 +118,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     cpu_compat.apply()
     from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig
     from megatron_rl.megatron.actor import Actor, Training, init_parallel
-    from megatron_rl.megatron.providers import build_model_recipe
     from megatron_rl.megatron.quantize import _torchao_nf4
+    from megatron_rl.models import build_model
     from megatron_rl.types import TrainBatch
 
     cuda = torch.cuda.is_available()
@@ -128,7 +128,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     rss0, _ = _rss()
     hf = model_fields(args)
     dtype = torch.bfloat16 if cuda else torch.float32
-    actor = Actor(build_model_recipe(hf, ParallelismConfig(), dtype), 1,
+    actor = Actor(build_model(hf, ParallelismConfig(), dtype), 1,
                   Training(TrainerConfig(lr=1e-5), ParallelismConfig(), total_updates=10),
                   lora=lora_config(mode, args.rank))
     g = torch.Generator().manual_seed(0)

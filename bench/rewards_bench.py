@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rl.rewards import available_rewards, get_reward  # noqa: E402
+from megatron_rl.tasks import load_builtin_tasks  # noqa: E402
 
 MEGABYTE = 1_000_000
 SAMPLE = {"answer": ["a", "c"], "metadata": {"kinki": ["b"]}}
@@ -48,6 +49,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     cases = inputs()
+    load_builtin_tasks()                   # the built-in tasks' rewards register on import
     result: dict[str, dict[str, object]] = {}
     for name in available_rewards():
         fn = get_reward(name)

@@ -76,9 +76,8 @@ cpu_compat.apply()   # before anything imports megatron-core
 from _report import emit  # noqa: E402  (bench/, the script's own directory)
 
 from megatron_rl.megatron.actor import Actor, init_parallel, unwrap  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sync import sync_weights  # noqa: E402
 from megatron_rl.weights.transport_engine import MOE_LOAD, SharedSegmentTransport  # noqa: E402
@@ -308,10 +307,10 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
     model_dir = tiny_model_with_tokenizer(fields, work / name / "model", seed=4)
     build_s = time.perf_counter() - t
     hf = read_hf_config(str(model_dir))
-    adapter = adapter_for(hf)
+    adapter = weight_map(hf)
     init_parallel(ParallelismConfig(), seed=1)
-    actor = Actor(build_model_recipe(hf, ParallelismConfig(), torch.float32), 1, None)
-    load_hf_into_model(actor.model, str(model_dir))
+    actor = Actor(build_model(hf, ParallelismConfig(), torch.float32), 1, None)
+    load_hf_into_model(actor.model, str(model_dir), adapter)
     params = [p.detach() for p in unwrap(actor.model).parameters()]
     server = None
     try:

@@ -83,13 +83,13 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, float]:
     cpu_compat.apply()
     from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig
     from megatron_rl.megatron.actor import Actor, Training, init_parallel
-    from megatron_rl.megatron.providers import build_model_recipe
+    from megatron_rl.models import build_model
 
     seq_len = args.max_prompt + args.max_response
     budget = args.micro_batch_size * seq_len
     init_parallel(ParallelismConfig(), seed=1)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    actor = Actor(build_model_recipe(dict(MODEL), ParallelismConfig(), dtype), args.micro_batch_size,
+    actor = Actor(build_model(dict(MODEL), ParallelismConfig(), dtype), args.micro_batch_size,
                   Training(TrainerConfig(lr=1e-5), ParallelismConfig(), total_updates=100),
                   max_tokens_per_microbatch=budget if variant == "budget" else None)
     batch = make_batch(length_mix(args.rows, args.max_prompt, args.max_response, budget, args.seed), seq_len,

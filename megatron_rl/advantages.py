@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_rl.objectives.registry import Registry
+from megatron_rl.registry import Registry
 
 # An estimator maps grouped rewards [num_groups, G], eps and whether the std is unbiased to
 # advantages [num_groups, G].

@@ -145,7 +145,7 @@ def moe_layers(hf: dict[str, Any]) -> list[bool]:
 
 
 MEGATRON_COMPLETE = "complete.json"      # = megatron.checkpoint.COMPLETE (not imported: that pulls megatron)
-CONVERTED_HF_SUBDIR = "hf"               # = weights.convert_worker.HF_SUBDIR: config + tokenizer of a conversion
+CONVERTED_HF_SUBDIR = "hf"               # = convert.worker.HF_SUBDIR: config + tokenizer of a conversion
 
 
 @dataclass(frozen=True)

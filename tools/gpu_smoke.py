@@ -126,7 +126,8 @@ def _world_failures(r: dict[str, Any], device: str) -> list[str]:
 def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     from megatron_rl.config.schema import AlgorithmConfig, LoraConfig, ParallelismConfig, TrainerConfig
     from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap
-    from megatron_rl.megatron.providers import build_model_recipe, use_transformer_engine
+    from megatron_rl.megatron.gpt import use_transformer_engine
+    from megatron_rl.models import build_model
 
     if name == "qwen3_next" and torch.cuda.is_available() and importlib.util.find_spec("fla") is None:
         return {"skipped": "flash-linear-attention (fla) is not installed; Qwen3-Next needs it on CUDA"}
@@ -137,7 +138,7 @@ def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, An
         return {"skipped": "torchao (QLoRA's NF4) is not installed"}
     started = time.perf_counter()
     init_parallel(ParallelismConfig(), seed=1)
-    recipe = build_model_recipe(hf, ParallelismConfig(), dtype)
+    recipe = build_model(hf, ParallelismConfig(), dtype)
     lora = LoraConfig(rank=8, alpha=16.0, targets=["q", "k", "v", "o"], base_quantization="nf4") if qlora else None
     actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3), ParallelismConfig(), total_updates=4), lora=lora)
     actor.optimizer.reload_model_params()

@@ -38,14 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from ..weights.convert import (
-        DEFAULT_MAX_SHARD_BYTES,
-        HF_TO_MCORE,
-        ConvertJob,
-        ConvertLayout,
-        parse_size,
-        run_conversion,
-    )
+    from ..convert.job import DEFAULT_MAX_SHARD_BYTES, HF_TO_MCORE, ConvertJob, ConvertLayout, parse_size
+    from ..convert.launcher import run_conversion
 
     try:
         max_shard = parse_size(args.max_shard_size) if hasattr(args, "max_shard_size") else DEFAULT_MAX_SHARD_BYTES

@@ -111,8 +111,8 @@ def _report(result: PrepareResult) -> int:
 
 
 def run_igakuqa(args: argparse.Namespace) -> int:
-    from megatron_rl.data.prepare import prepare_igakuqa
     from megatron_rl.data.schema import DataError
+    from megatron_rl.tasks.igakuqa.prepare import prepare_igakuqa
 
     try:
         result = prepare_igakuqa(args.src, args.out, train_years=args.years,
@@ -125,8 +125,8 @@ def run_igakuqa(args: argparse.Namespace) -> int:
 
 
 def run_medmcqa(args: argparse.Namespace) -> int:
-    from megatron_rl.data.prepare import prepare_medmcqa
     from megatron_rl.data.schema import DataError
+    from megatron_rl.tasks.medmcqa.data import prepare_medmcqa
 
     try:
         cop_base = args.cop_base if args.cop_base == "auto" else int(args.cop_base)
@@ -139,8 +139,8 @@ def run_medmcqa(args: argparse.Namespace) -> int:
 
 
 def run_medxpertqa(args: argparse.Namespace) -> int:
-    from megatron_rl.data.prepare import prepare_medxpertqa
     from megatron_rl.data.schema import DataError
+    from megatron_rl.tasks.medxpertqa.data import prepare_medxpertqa
 
     try:
         result = prepare_medxpertqa(args.src, args.out, split=args.split, limit=args.limit,

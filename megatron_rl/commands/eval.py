@@ -2,9 +2,9 @@
 
 `eval igakuqa --pred FILE_OR_DIR --gold DIR [--system NAME] [--rule R] [--json]` prints the report
 as markdown tables (or JSON). `eval mcq --pred FILE --gold PROMPTS [--by KEYS] [--json]` scores
-single-answer MCQ predictions (MedXpertQA, MedMCQA: `megatron_rl.eval.mcq`).
+single-answer MCQ predictions (MedXpertQA, MedMCQA: `megatron_rl.tasks.mcq.scoring`).
 `eval table LABEL=PATH... --gold DIR [--baseline LABEL] [--out DIR]`
-renders several systems in the published layouts (`megatron_rl.eval.table`).
+renders several systems in the published layouts (`megatron_rl.tasks.igakuqa.table`).
 `eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR] [--json]` prints McNemar
 tables and, with --out, writes compare.md, compare.json and category_delta.png there. Bad input
 exits 1 with one `error: <file>:<line>: <problem>` line.
@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mcq = verbs.add_parser("mcq", help="accuracy of single-answer MCQ predictions (MedXpertQA, MedMCQA)",
                            description="Score `eval generate` output against the prompt file it was generated "
                                        "from: the [ans] tag or an explicit answer statement, with the question's "
-                                       "own option letters (megatron_rl/eval/mcq.py).")
+                                       "own option letters (megatron_rl/tasks/mcq/scoring.py).")
     mcq.add_argument("--pred", required=True, help="predictions JSONL ({problem_id, output}, from `eval generate`)")
     mcq.add_argument("--gold", required=True, help="the prompt JSONL (from `data prepare medxpertqa|medmcqa`)")
     mcq.add_argument("--by", default="", help="comma-separated metadata keys to break accuracy down by "
@@ -104,7 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_rule(parser: argparse.ArgumentParser) -> None:
-    from megatron_rl.eval.scoring import DEFAULT_RULE, RULES
+    from megatron_rl.tasks.igakuqa.scoring import DEFAULT_RULE, RULES
 
     parser.add_argument("--rule", choices=RULES, default=DEFAULT_RULE,
                         help="scoring rule: 'official' = the benchmark's evaluate_main.py "
@@ -126,10 +126,10 @@ def _emit(report: Any, as_json: bool, render_markdown: Any) -> int:
 
 
 def run_igakuqa(args: argparse.Namespace) -> int:
-    from megatron_rl.data.igakuqa import load_igakuqa
     from megatron_rl.data.schema import DataError
-    from megatron_rl.eval.igakuqa_report import build_report, evaluate, render_markdown
-    from megatron_rl.eval.scoring import load_predictions
+    from megatron_rl.tasks.igakuqa.data import load_igakuqa
+    from megatron_rl.tasks.igakuqa.report import build_report, evaluate, render_markdown
+    from megatron_rl.tasks.igakuqa.scoring import load_predictions
 
     try:
         gold = load_igakuqa(args.gold).by_id()
@@ -202,7 +202,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_mcq(args: argparse.Namespace) -> int:
     from megatron_rl.data.schema import DataError, read_prompts
-    from megatron_rl.eval.mcq import read_outputs, render_markdown, score_mcq
+    from megatron_rl.tasks.mcq.scoring import read_outputs, render_markdown, score_mcq
 
     try:
         prompts = read_prompts(args.gold)
@@ -217,11 +217,11 @@ def run_mcq(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatron_rl.data.igakuqa import load_igakuqa
     from megatron_rl.data.schema import DataError
-    from megatron_rl.eval.compare import compare_results, plot_category_deltas, render_markdown
-    from megatron_rl.eval.igakuqa_report import evaluate
-    from megatron_rl.eval.scoring import load_predictions
+    from megatron_rl.tasks.igakuqa.compare import compare_results, plot_category_deltas, render_markdown
+    from megatron_rl.tasks.igakuqa.data import load_igakuqa
+    from megatron_rl.tasks.igakuqa.report import evaluate
+    from megatron_rl.tasks.igakuqa.scoring import load_predictions
 
     try:
         gold = load_igakuqa(args.gold).by_id()
@@ -254,8 +254,8 @@ def run_compare(args: argparse.Namespace) -> int:
 def _load_system(spec: Any, gold: Any, rule: str) -> list[Any]:
     from pathlib import Path
 
-    from megatron_rl.eval.igakuqa_report import evaluate
-    from megatron_rl.eval.scoring import files_by_system, load_predictions
+    from megatron_rl.tasks.igakuqa.report import evaluate
+    from megatron_rl.tasks.igakuqa.scoring import files_by_system, load_predictions
 
     path = Path(spec.path)
     # A directory of several systems (e.g. the benchmark's baseline_results): the label names one.
@@ -266,9 +266,9 @@ def _load_system(spec: Any, gold: Any, rule: str) -> list[Any]:
 def run_table(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatron_rl.data.igakuqa import load_igakuqa
     from megatron_rl.data.schema import DataError
-    from megatron_rl.eval.table import build_table, parse_system_spec, plot_table, render_markdown
+    from megatron_rl.tasks.igakuqa.data import load_igakuqa
+    from megatron_rl.tasks.igakuqa.table import build_table, parse_system_spec, plot_table, render_markdown
 
     try:
         specs = [parse_system_spec(text) for text in args.systems]

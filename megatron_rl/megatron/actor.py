@@ -31,8 +31,8 @@ from ..schedule import warmup_updates
 from ..types import TrainBatch
 from . import cpu_compat
 from .devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, compute_device, init_distributed
+from .gpt import ModelRecipe, build_gpt_model
 from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
-from .providers import ModelRecipe, build_gpt_model
 from .routing_replay import RoutingReplay, fit_routes
 
 cpu_compat.require_applied()   # megatron-core below needs the CPU patches on a machine without CUDA

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_rl.objectives.registry import Registry
+from megatron_rl.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from megatron_rl.config.schema import AlgorithmConfig, CorrectionConfig
 from megatron_rl.objectives.aggregation import GlobalDenominators, aggregation_weights
-from megatron_rl.objectives.registry import Registry
 from megatron_rl.objectives.types import LossInputs
+from megatron_rl.registry import Registry
 
 Metrics = dict[str, Tensor]
 

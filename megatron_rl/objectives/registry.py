@@ -1,54 +1,21 @@
-"""Name → implementation registries.
+"""The objectives' table: every RL objective registers here by name; the recipe's
+`algorithm.name` (and CHORD's `chord.rl_objective`) picks one.
 
-Every pluggable piece of the loss (objectives, aggregation modes, KL estimators,
-mismatch corrections, advantage estimators) is looked up by name through a
-:class:`Registry`, so recipe configs select behaviour without if/elif chains and
-an unknown name fails loudly with the list of valid choices.
+Importing any module of `megatron_rl.objectives` runs the package's `__init__` first, which imports
+every built-in objective, so the table is complete whichever module a caller imports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
+
+from megatron_rl.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import AlgorithmConfig
     from megatron_rl.objectives.aggregation import GlobalDenominators
     from megatron_rl.objectives.types import LossInputs, LossOutput
-
-T = TypeVar("T")
-
-
-class Registry(Generic[T]):
-    """A named table of callables; ``kind`` names the table in error messages."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._items: dict[str, T] = {}
-
-    def register(self, name: str) -> Callable[[T], T]:
-        def decorator(item: T) -> T:
-            if name in self._items:
-                # Silent replacement would make the behaviour depend on import order.
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._items[name] = item
-            return item
-
-        return decorator
-
-    def get(self, name: str) -> T:
-        try:
-            return self._items[name]
-        except KeyError:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; allowed: {', '.join(self.names())}"
-            ) from None
-
-    def names(self) -> list[str]:
-        return sorted(self._items)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._items
 
 
 class Objective(Protocol):
@@ -78,14 +45,8 @@ def register_objective(name: str) -> Callable[[Objective], Objective]:
 
 
 def get_objective(name: str) -> Objective:
-    # Importing the package registers the built-in objectives; doing it here lets
-    # callers import only this module without ending up with an empty table.
-    import megatron_rl.objectives  # noqa: F401
-
     return OBJECTIVES.get(name)
 
 
 def available_objectives() -> list[str]:
-    import megatron_rl.objectives  # noqa: F401
-
     return OBJECTIVES.names()

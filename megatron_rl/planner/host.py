@@ -30,7 +30,7 @@ Trainer node, per rank × ranks per node (every rank holds the step's rollout on
   the node's ranks read stay cached: the node's share of the checkpoint (dense weights read by
   every rank that holds them; experts by their EP rank). `megatron-rl convert` (a separate CPU
   job on one node) reads the whole checkpoint the same way: all of its bytes in the page cache,
-  one layer per worker resident (`weights/convert_worker.py` closes the reader per layer).
+  one layer per worker resident (`convert/worker.py` closes the reader per layer).
 
 vLLM server (colocated or rollout node): VLLM_PROCESS_GB for the API server and engine core plus
 per GPU worker; with `sleep_level: 1`, the server's weights offloaded to host RAM while it sleeps

@@ -1,8 +1,8 @@
 """Exact parameter counts of Qwen3-family models from an HF `config.json`, and how they shard.
 
-Supported architectures (the `ARCHITECTURES` registry): Qwen3ForCausalLM (dense),
-Qwen3MoeForCausalLM and Qwen3NextForCausalLM. Counts follow the tensor shapes of the transformers
-implementations (checked against real `sum(p.numel())` in tests/unit/test_planner.py):
+Supported architectures (the model registry, `megatron_rl.models`, says what each one has):
+Qwen3ForCausalLM (dense), Qwen3MoeForCausalLM and Qwen3NextForCausalLM. Counts follow the tensor
+shapes of the transformers implementations (checked against real `sum(p.numel())` in tests/unit/test_planner.py):
 
 * full attention: q/k/v/o projections (Qwen3-Next's q_proj is twice as wide: query + output gate),
   q_norm and k_norm over head_dim;
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from .. import models
 from ..model_config import moe_layers, num_experts, with_hf_defaults
-from ..models import planner_shapes
-from ..models.qwen3_next.layers import layer_types
+from ..models.model_spec import PlannerShape
 
 COMPONENTS: tuple[str, ...] = ("embedding", "output", "attention", "linear_attention", "dense_mlp",
                                "moe_experts", "shared_experts", "router", "norms", "mtp")
@@ -113,33 +113,6 @@ class Dims:
         return 2 * self.lin_key_heads * self.lin_key_dim + self.lin_value_heads * self.lin_value_dim
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """What distinguishes the supported architectures; everything else is shared code."""
-
-    moe: bool
-    hybrid: bool
-    """Mixes Gated DeltaNet and full attention by `layer_types` / `full_attention_interval`."""
-    gated_attention: bool
-    """q_proj also produces a per-head output gate (Qwen3-Next)."""
-    shared_expert: bool
-
-
-ARCHITECTURES: dict[str, ArchSpec] = {arch: ArchSpec(**shape) for arch, shape in planner_shapes().items()}
-"""From each model folder's `PLANNER_SHAPES` (megatron_rl/models/)."""
-MODEL_TYPES: dict[str, str] = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                               "qwen3_next": "Qwen3NextForCausalLM"}
-
-
-def architecture_of(hf: Mapping[str, Any]) -> str:
-    names = list(hf.get("architectures") or []) + [MODEL_TYPES.get(str(hf.get("model_type")), "")]
-    for name in names:
-        if name in ARCHITECTURES:
-            return name
-    raise PlannerError(f"unsupported architecture {names[0] or hf.get('model_type')!r}; "
-                       f"the planner knows: {', '.join(ARCHITECTURES)}")
-
-
 def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
     value = hf.get(key, default)
     if value is None:
@@ -147,16 +120,14 @@ def _int(hf: Mapping[str, Any], key: str, default: int | None = None) -> int:
     return int(value)
 
 
-def _layer_types(hf: Mapping[str, Any], layers: int, spec: ArchSpec) -> tuple[str, ...]:
-    if not spec.hybrid:
-        return ("full_attention",) * layers
+def _layer_types(hf: Mapping[str, Any]) -> tuple[str, ...]:
     try:
-        return tuple(layer_types(dict(hf)))     # the architecture's own layer pattern
+        return tuple(models.layer_types(dict(hf)))     # the architecture's own layer pattern
     except ValueError as exc:
         raise PlannerError(str(exc)) from None
 
 
-def read_dims(hf: Mapping[str, Any], spec: ArchSpec) -> Dims:
+def read_dims(hf: Mapping[str, Any], spec: PlannerShape) -> Dims:
     hf = with_hf_defaults(dict(hf))        # absent keys as transformers reads them
     hidden, heads = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
     layers = _int(hf, "num_hidden_layers")
@@ -176,7 +147,7 @@ def read_dims(hf: Mapping[str, Any], spec: ArchSpec) -> Dims:
         shared_intermediate=_int(hf, "shared_expert_intermediate_size", 0) if spec.shared_expert else 0,
         mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
         decoder_sparse_step=_int(hf, "decoder_sparse_step", 1),
-        layer_types=_layer_types(hf, layers, spec),
+        layer_types=_layer_types(hf),
         lin_key_heads=_int(hf, "linear_num_key_heads", 0) if spec.hybrid else 0,
         lin_value_heads=_int(hf, "linear_num_value_heads", 0) if spec.hybrid else 0,
         lin_key_dim=_int(hf, "linear_key_head_dim", 0) if spec.hybrid else 0,
@@ -186,7 +157,7 @@ def read_dims(hf: Mapping[str, Any], spec: ArchSpec) -> Dims:
     )
 
 
-def attention_blocks(d: Dims, spec: ArchSpec) -> list[Block]:
+def attention_blocks(d: Dims, spec: PlannerShape) -> list[Block]:
     q_out = d.heads * d.head_dim * (2 if spec.gated_attention else 1)
     kv_out = d.kv_heads * d.head_dim
     weights = d.hidden * (q_out + 2 * kv_out) + d.heads * d.head_dim * d.hidden
@@ -224,7 +195,7 @@ def ffn_blocks(d: Dims, moe: bool) -> list[Block]:
     return blocks
 
 
-def decoder_layer(d: Dims, spec: ArchSpec, index: int) -> Layer:
+def decoder_layer(d: Dims, spec: PlannerShape, index: int) -> Layer:
     mixer = d.layer_types[index]
     mixers: dict[str, Callable[[], list[Block]]] = {
         "full_attention": lambda: attention_blocks(d, spec),
@@ -237,7 +208,7 @@ def decoder_layer(d: Dims, spec: ArchSpec, index: int) -> Layer:
     return Layer(mixer, "moe" if moe else "dense", tuple(blocks))
 
 
-def mtp_blocks(d: Dims, spec: ArchSpec) -> list[Block]:
+def mtp_blocks(d: Dims, spec: PlannerShape) -> list[Block]:
     """One MTP depth (Qwen3-Next layout): fc over [embedding; hidden], three norms, and one
     full-attention decoder layer; it shares the embedding and output layer with the trunk."""
     per_depth = [_block("mtp", Shard.TP, 2 * d.hidden * d.hidden),
@@ -251,7 +222,7 @@ def mtp_blocks(d: Dims, spec: ArchSpec) -> list[Block]:
 @dataclass(frozen=True)
 class ModelParams:
     architecture: str
-    spec: ArchSpec
+    spec: PlannerShape
     dims: Dims
     pre: tuple[Block, ...]
     """On the first pipeline stage: the embedding."""
@@ -299,8 +270,11 @@ class ModelParams:
 
 def count_params(hf: Mapping[str, Any]) -> ModelParams:
     """Exact parameter counts of the model an HF config dict describes."""
-    arch = architecture_of(hf)
-    spec = ARCHITECTURES[arch]
+    try:
+        arch, spec = models.architecture(dict(hf)), models.planner_shape(dict(hf))
+    except models.UnknownArchitecture as exc:
+        raise PlannerError(f"unsupported architecture {exc.named!r}; "
+                           f"the planner knows: {', '.join(exc.supported)}") from None
     d = read_dims(hf, spec)
     embedding = _block("embedding", Shard.TP, d.vocab * d.hidden)
     post = [_block("norms", Shard.REPLICATED, d.hidden),

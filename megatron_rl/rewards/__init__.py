@@ -1,13 +1,15 @@
-"""Rule-based rewards for medical MCQ RL: answer correctness, prohibited choices, language.
+"""Rewards: the registry of reward functions and the generic ones (`japanese_only`).
 
-Importing this package registers the built-in rewards (`mcq_answer`, `prohibited_choice`,
-`japanese_only`, `medmcqa_strict`, `medmcqa_flexible`) with the registry.
+Importing this package registers the generic rewards; the built-in tasks' own rewards
+(`mcq_answer`, `prohibited_choice`, `medmcqa_strict`, `medmcqa_flexible`) live in their task
+folders (`megatron_rl/tasks/`) and register when those are imported.
 """
 
 # Importing the reward modules registers them.
-from megatron_rl.rewards import language, mcq, medmcqa  # noqa: F401
+from megatron_rl.rewards import language  # noqa: F401
 from megatron_rl.rewards.registry import (
     MAX_TAIL_CHARS,
+    REWARDS,
     UnknownRewardError,
     available_rewards,
     combine,
@@ -17,6 +19,7 @@ from megatron_rl.rewards.registry import (
 
 __all__ = [
     "MAX_TAIL_CHARS",
+    "REWARDS",
     "UnknownRewardError",
     "available_rewards",
     "combine",

@@ -4,8 +4,10 @@ A reward is a pure function `(response: str, sample) -> float` where `sample` is
 `megatron_rl.data.schema.PromptRecord` or the equivalent mapping (one decoded JSONL line). Rewards
 import only the standard library, so scoring never pulls in torch.
 
-The built-in rewards register themselves when `megatron_rl.rewards` is imported (its `__init__`
-imports each module), so `get_reward` works however the registry module itself was reached.
+The generic rewards of this package (`language.py`) register when `megatron_rl.rewards` is
+imported; a task's own rewards live in its folder (`megatron_rl/tasks/<name>/`) and register when
+that module is imported. `megatron_rl.tasks.reward_function` imports every built-in task first, so
+a recipe can name any built-in reward.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from megatron_rl.registry import Registry
 
 RewardFn = Callable[[str, Any], float]
 
@@ -23,35 +27,25 @@ RewardFn = Callable[[str, Any], float]
 # 1 MB rollout costs the same few microseconds as a normal one.
 MAX_TAIL_CHARS = 4096
 
-_REGISTRY: dict[str, RewardFn] = {}
-
 
 class UnknownRewardError(ValueError):
     """Raised for a reward name that is not registered; the message lists the allowed names."""
 
 
+REWARDS: Registry[RewardFn] = Registry("reward", error=UnknownRewardError)
+
+
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn` under `name` (names are unique)."""
-
-    def decorator(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REGISTRY[name] = fn
-        return fn
-
-    return decorator
+    return REWARDS.register(name)
 
 
 def available_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
 def get_reward(name: str) -> RewardFn:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        allowed = ", ".join(available_rewards()) or "(none registered)"
-        raise UnknownRewardError(f"unknown reward {name!r}; available: {allowed}") from None
+    return REWARDS.get(name)
 
 
 def combine(weights: Mapping[str, float], response: str,

@@ -10,6 +10,7 @@
 from .plugins import (
     BUILTIN_TASKS,
     PluginError,
+    load_builtin_tasks,
     load_task_spec,
     plugin_problems,
     resolve_task,
@@ -21,6 +22,7 @@ __all__ = [
     "BUILTIN_TASKS",
     "LoadedTask",
     "PluginError",
+    "load_builtin_tasks",
     "RewardFn",
     "Task",
     "load_task_spec",

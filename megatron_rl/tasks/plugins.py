@@ -2,7 +2,8 @@
 
 `task:` is a built-in task name (`BUILTIN_TASKS`), a module path whose module defines `TASK`
 (`my_project.tasks.triage`), or `module.path:attribute`. A key of `rewards.weights` is a
-registered reward name (`megatron_rl.rewards`) or `module.path:function`.
+registered reward name (`megatron_rl.rewards.REWARDS`: the generic ones and every built-in task's,
+which register when the task's module is imported) or `module.path:function`.
 
 Everything is resolved when the recipe is checked (`megatron-rl recipe validate`, and `train`
 before any model or server starts); every failure is a `PluginError` that names the path and says
@@ -17,16 +18,24 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ..registry import Registry
 from ..rewards import UnknownRewardError, available_rewards, get_reward
 from .task import LoadedTask, RewardFn, Task
 
-# A built-in task is found by the same path lookup as a user's.
-BUILTIN_TASKS: dict[str, str] = {
-    "mcq": "megatron_rl.tasks.mcq",
-    "igakuqa": "megatron_rl.tasks.igakuqa",
-    "medmcqa": "megatron_rl.tasks.medmcqa",
-}
+# A built-in task is found by the same path lookup as a user's: name → the module holding its TASK.
+BUILTIN_TASKS: Registry[str] = Registry("built-in task", {
+    "mcq": "megatron_rl.tasks.mcq.task",
+    "igakuqa": "megatron_rl.tasks.igakuqa.task",
+    "medmcqa": "megatron_rl.tasks.medmcqa.task",
+})
 TASK_ATTRIBUTE = "TASK"
+
+
+def load_builtin_tasks() -> None:
+    """Import every built-in task, which registers its rewards, so a recipe may name any of them
+    (e.g. `medmcqa_strict` with `task: mcq`)."""
+    for _, path in BUILTIN_TASKS.items():
+        importlib.import_module(path)
 
 
 class PluginError(ValueError):
@@ -80,6 +89,7 @@ def reward_function(name: str) -> RewardFn:
     """A registered reward, or the function at `module.path:function`."""
     if ":" in name:
         return check_reward(load_object(name, "reward"), name)
+    load_builtin_tasks()
     try:
         return get_reward(name)
     except UnknownRewardError:
@@ -89,12 +99,12 @@ def reward_function(name: str) -> RewardFn:
 
 def load_task_spec(spec: str) -> Task:
     """The `Task` named by a built-in name, a module path (its `TASK`) or `module.path:attribute`."""
-    path = BUILTIN_TASKS.get(spec, spec)
+    path = BUILTIN_TASKS.get(spec) if spec in BUILTIN_TASKS else spec
     obj = load_object(path, "task", default_attribute=TASK_ATTRIBUTE)
     if not isinstance(obj, Task):
         where = path if ":" in path else f"{path}:{TASK_ATTRIBUTE}"
         raise PluginError(f"task {spec!r}: {where} is a {type(obj).__name__}, not a megatron_rl.tasks.Task "
-                          f"(built-in tasks: {', '.join(sorted(BUILTIN_TASKS))})")
+                          f"(built-in tasks: {', '.join(BUILTIN_TASKS.names())})")
     return obj
 
 

@@ -6,8 +6,8 @@ import torch
 
 from ..megatron.actor import Actor
 from ..megatron.lora import merged_deltas
-from ..weights.adapters import WeightAdapter
 from ..weights.lora_sync import sync_lora
+from ..weights.map import WeightAdapter
 from ..weights.sync import SyncReport, Transport, sync_weights
 
 

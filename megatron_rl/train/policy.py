@@ -14,12 +14,12 @@ from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor, Training, init_parallel
 from ..megatron.checkpoint import load_weights
 from ..megatron.lora import adapters_disabled
-from ..megatron.providers import build_model_recipe
 from ..model_config import InitCheckpoint, init_checkpoint, is_megatron_checkpoint, read_hf_config
+from ..models import build_model, weight_map
 from ..objectives.chord import optimizer_step
 from ..types import TrainBatch
-from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
+from ..weights.map import WeightAdapter
 from .batch import pack
 from .data import SftRows
 from .run import require
@@ -60,23 +60,24 @@ class Policy:
         """`updates`: the run's optimizer steps (the LR schedule's length)."""
         self.cfg, self.init = cfg, init
         self.hf = read_hf_config(init.hf_dir)
-        self.adapter = adapter_for(self.hf)
+        self.adapter = weight_map(self.hf)
         self.dtype = torch.bfloat16 if (cfg.model.params_dtype == "bf16" or
                                         (cfg.model.params_dtype == "auto" and torch.cuda.is_available())) \
             else torch.float32
         t = cfg.trainer
         init_parallel(cfg.parallelism, t.seed, t.collective_timeout_min)
-        recipe = build_model_recipe(self.hf, cfg.parallelism, self.dtype)
+        recipe = build_model(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
                            t.max_tokens_per_microbatch, lora=cfg.lora)
-        load_init(self.actor, init.path)
+        load_init(self.actor, init.path, self.adapter)
         self.reference: Reference | None = None if not cfg.algorithm.uses_reference else \
             BaseReference(self.actor) if uses_base_reference(cfg) else self._reference(recipe)
 
     def _reference(self, recipe: Any) -> Actor:
         t, m = self.cfg.trainer, self.cfg.model
         ref = Actor(recipe, t.micro_batch_size, None, t.max_tokens_per_microbatch)
-        load_init(ref, require(m.reference_path, "model.reference_path") if m.reference == "path" else self.init.path)
+        load_init(ref, require(m.reference_path, "model.reference_path") if m.reference == "path" else self.init.path,
+                  self.adapter)
         return ref
 
     @property
@@ -143,12 +144,12 @@ def minibatches(batch: TrainBatch, count: int) -> Iterator[TrainBatch]:
         yield batch.rows(i * size, (i + 1) * size)
 
 
-def load_init(actor: Actor, path: str) -> None:
+def load_init(actor: Actor, path: str, adapter: WeightAdapter) -> None:
     """Starting weights from an HF directory or a Megatron dist-checkpoint (any layout)."""
     if is_megatron_checkpoint(path):
         load_weights(actor, path)
         return
-    load_hf_into_model(actor.model, path)
+    load_hf_into_model(actor.model, path, adapter)
     if actor.trainable:
         actor.optimizer.reload_model_params()   # fp32 master weights follow the loaded weights
 

@@ -24,7 +24,7 @@ from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
 from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, init_distributed
 from ..model_config import InitCheckpoint
-from ..weights.adapters import WeightAdapter
+from ..weights.map import WeightAdapter
 
 if TYPE_CHECKING:
     from ..megatron.actor import Actor

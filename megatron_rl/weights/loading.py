@@ -1,4 +1,5 @@
-"""Load an HF checkpoint into a (sharded) Megatron model through the architecture's weight map."""
+"""Load an HF checkpoint into a (sharded) Megatron model through its architecture's weight map
+(`megatron_rl.models.weight_map`, which the caller holds)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,14 @@ from pathlib import Path
 
 import torch
 
-from ..model_config import read_hf_config
-from .adapters import adapter_for
 from .hf_io import HFCheckpointReader
+from .map import WeightAdapter
 from .sharding import load_full_tensors
 
 
-def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path) -> list[str]:
-    """Every local parameter of `model` from `hf_dir`; returns the global Megatron names loaded."""
-    adapter = adapter_for(read_hf_config(hf_dir))
+def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, adapter: WeightAdapter) -> list[str]:
+    """Every local parameter of `model` from `hf_dir` through `adapter` (the model's weight map);
+    returns the global Megatron names loaded."""
     reader = HFCheckpointReader(hf_dir)
 
     def full(name: str) -> torch.Tensor:

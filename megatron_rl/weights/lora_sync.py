@@ -20,8 +20,8 @@ from ..megatron.actor import Actor
 from ..megatron.checkpoint import load_weights
 from ..megatron.lora import merged_deltas
 from ..model_config import is_megatron_checkpoint
-from .adapters import WeightAdapter
 from .loading import load_hf_into_model
+from .map import WeightAdapter
 from .sync import SyncReport, Transport, sync_weights
 
 
@@ -70,11 +70,12 @@ def lora_config(record: dict[str, Any] | None) -> LoraConfig | None:
     return LoraConfig(rank=record["rank"], alpha=record["alpha"], targets=list(record["targets"]))
 
 
-def load_recorded_base(actor: Actor, record: dict[str, Any], where: str) -> None:
-    """The frozen base a LoRA checkpoint's adapters belong to (checked by its fingerprint)."""
+def load_recorded_base(actor: Actor, record: dict[str, Any], where: str, adapter: WeightAdapter) -> None:
+    """The frozen base a LoRA checkpoint's adapters belong to (checked by its fingerprint); an HF
+    base loads through `adapter`, the model's weight map."""
     path = record["base"]["path"]
     check_base(record["base"], path, where)
     if is_megatron_checkpoint(path):
         load_weights(actor, path)
     else:
-        load_hf_into_model(actor.model, path)
+        load_hf_into_model(actor.model, path, adapter)

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .adapters import WeightAdapter
+from .map import WeightAdapter
 from .sharding import gather_hf_layers
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import main
-from megatron_rl.data.prompts import build_messages
 from megatron_rl.data.schema import PromptRecord, write_jsonl
+from megatron_rl.tasks.mcq.prompts import build_messages
 from tests.helpers.igakuqa import FIXTURE as IGAKUQA
 from tests.helpers.models import TINY_MOE
 from tests.helpers.rollout import tiny_model_with_tokenizer

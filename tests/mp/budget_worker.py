@@ -25,8 +25,8 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.microbatch import needed_lengths  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
@@ -70,9 +70,9 @@ def grad_shards(actor: Actor) -> torch.Tensor:
 def run(hf_dir: str, layout: ParallelismConfig, objective: str, budget: int | None) -> dict:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, layout, torch.float32), 2,
+    actor = Actor(build_model(hf, layout, torch.float32), 2,
                   Training(TrainerConfig(lr=1e-3), layout, total_updates=10), max_tokens_per_microbatch=budget)
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     grads: list[torch.Tensor] = []
     prepare = actor.optimizer.prepare_grads

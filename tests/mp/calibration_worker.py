@@ -24,12 +24,11 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 
 from megatron_rl.config.schema import AlgorithmConfig, RolloutConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
 from megatron_rl.train import verification  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sync import sync_weights  # noqa: E402
 from megatron_rl.weights.transport_engine import SharedSegmentTransport  # noqa: E402
@@ -66,10 +65,10 @@ def main() -> None:
         handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                token=Path(token_file).read_text(), port=int(port))
         client = RolloutClient(url, handle.token, "policy", RolloutConfig(), stop_token_ids=[])
-    actor = Actor(build_model_recipe(hf, layout, dtype), 2, Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    actor = Actor(build_model(hf, layout, dtype), 2, Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
-    adapter = adapter_for(hf)
+    adapter = weight_map(hf)
     result: dict = {"stats": list(verification.STATS)}
     # (1) The fixed bounds, forced tokens, the server's own load (no sync: same weights).
     forced = stats_of(actor, client, probe(hf["vocab_size"]))

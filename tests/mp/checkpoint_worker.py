@@ -18,8 +18,8 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.checkpoint import OptimizerLayoutMismatch, load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -30,7 +30,7 @@ from tests.mp.common import finish  # noqa: E402
 
 def build(hf_dir: str, layout: ParallelismConfig) -> Actor:
     init_parallel(layout, seed=1234)
-    return Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32),
+    return Actor(build_model(read_hf_config(hf_dir), layout, torch.float32),
                  2, Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     batch = make_batch(hf["vocab_size"])
     # Train one step at TP2+SP so the checkpoint holds non-initial weights and optimizer state.
     actor = build(hf_dir, LAYOUTS["tp2_sp"])
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     batch.old_logprobs = logprobs(actor, batch)
     actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)

@@ -22,8 +22,8 @@ from layouts_worker import make_batch  # noqa: E402
 
 from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
@@ -34,9 +34,9 @@ CHORD = AlgorithmConfig(name="chord", chord=ChordConfig(mu_peak=0.5, mu_valley=0
 def run(hf_dir: str, layout: ParallelismConfig) -> list[float]:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, layout, torch.float32), 1,
+    actor = Actor(build_model(hf, layout, torch.float32), 1,
                   Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     batch = make_batch(hf["vocab_size"])
     sft = make_batch(hf["vocab_size"], rows=2, length=20, seed=11)

@@ -21,11 +21,11 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
+from megatron_rl.convert import worker as cw  # noqa: E402
+from megatron_rl.convert.job import ConversionError, ConvertJob, ConvertLayout  # noqa: E402
 from megatron_rl.megatron.actor import unwrap  # noqa: E402
 from megatron_rl.megatron.checkpoint import load_checkpoint  # noqa: E402
 from megatron_rl.model_config import num_experts, read_hf_config  # noqa: E402
-from megatron_rl.weights import convert_worker as cw  # noqa: E402
-from megatron_rl.weights.convert import ConversionError, ConvertJob, ConvertLayout  # noqa: E402
 from megatron_rl.weights.hf_io import CheckpointError  # noqa: E402
 from megatron_rl.weights.stream_io import PlannedHFWriter  # noqa: E402
 from tests.mp.common import finish  # noqa: E402

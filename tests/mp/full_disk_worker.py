@@ -22,8 +22,8 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.checkpoint import DiskFullError, latest_checkpoint, save_checkpoint  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model  # noqa: E402
 from megatron_rl.train.run import init_process_group  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -34,7 +34,7 @@ def main() -> None:
     hf_dir, roomy, full, out = sys.argv[1:5]
     init_process_group()
     init_parallel(ParallelismConfig(), seed=1)
-    actor = Actor(build_model_recipe(read_hf_config(hf_dir), ParallelismConfig(), torch.float32),
+    actor = Actor(build_model(read_hf_config(hf_dir), ParallelismConfig(), torch.float32),
                   2, Training(TrainerConfig(lr=1e-3), ParallelismConfig(), total_updates=10))
     batch = make_batch(read_hf_config(hf_dir)["vocab_size"])     # one step: the optimizer has state
     batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)

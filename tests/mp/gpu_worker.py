@@ -22,8 +22,8 @@ cpu_compat.apply()   # explicit (a no-op with CUDA; MEGATRON_RL_REQUIRE_CUDA mak
 
 from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.train.run import agree_on_stop, init_process_group  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
@@ -42,9 +42,9 @@ def main() -> None:
     hf = read_hf_config(hf_dir)
     layout = LAYOUTS["tp2_sp" if dist.get_world_size() == 2 else "tp1"]
     init_parallel(layout, seed=1)
-    actor = Actor(build_model_recipe(hf, layout, torch.bfloat16), 2,
+    actor = Actor(build_model(hf, layout, torch.bfloat16), 2,
                   Training(TrainerConfig(lr=1e-4), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     result["param_devices"] = sorted({str(p.device) for p in actor.model.parameters()})
     batch = make_batch(hf["vocab_size"])

@@ -22,17 +22,17 @@ from layouts_worker import LAYOUTS, make_batch  # noqa: E402
 
 from megatron_rl.config.schema import ModelConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import init_checkpoint, read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.train.policy import load_init  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 
 def logprobs(hf: dict, layout, path: str | None, trainable: bool) -> torch.Tensor:  # noqa: ANN001
-    recipe = build_model_recipe(hf, layout, torch.float32)
+    recipe = build_model(hf, layout, torch.float32)
     actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3), layout, 10) if trainable else None)
     if path is not None:                                 # None: the random initialisation (a control)
-        load_init(actor, path)
+        load_init(actor, path, weight_map(hf))
     return actor.compute_logprobs(make_batch(hf["vocab_size"]), temperature=1.0)
 
 

@@ -18,10 +18,9 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 
 from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.hf_io import HFCheckpointReader  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_to_rank0  # noqa: E402
@@ -59,9 +58,9 @@ def make_batch(vocab: int, rows: int = 8, length: int = 24, seed: int = 7) -> Tr
 def run_layout(hf_dir: str, layout: ParallelismConfig, objective: str) -> tuple[list[float], dict]:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    recipe = build_model_recipe(hf, layout, torch.float32)
+    recipe = build_model(hf, layout, torch.float32)
     actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3, clip_grad=1.0), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()   # the optimizer's fp32 master copy follows the loaded weights
     batch = make_batch(hf["vocab_size"])
     old = actor.compute_logprobs(batch, temperature=1.0)
@@ -72,11 +71,11 @@ def run_layout(hf_dir: str, layout: ParallelismConfig, objective: str) -> tuple[
         metrics = actor.train_step(batch, OBJECTIVES[objective], temperature=1.0, rl_step=step)
         losses.append(metrics["loss/total"])
     weights, chunked, parts = {}, {}, [0, 0]
-    for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):
+    for part in gather_to_rank0(actor.model, weight_map(hf).layers()):
         weights.update(part)
         parts[0] += 1
     # Tiny parts: a layer comes in many pieces, from several ranks at once; the same tensors.
-    for part in gather_to_rank0(actor.model, adapter_for(hf).layers(), chunk_bytes=1024):
+    for part in gather_to_rank0(actor.model, weight_map(hf).layers(), chunk_bytes=1024):
         chunked.update(part)
         parts[1] += 1
     weights["__parts__"] = parts
@@ -91,7 +90,7 @@ def main() -> None:
     hf_dir, out = sys.argv[1], sys.argv[2]
     result: dict = {}
     reader = HFCheckpointReader(hf_dir)
-    adapter = adapter_for(read_hf_config(hf_dir))
+    adapter = weight_map(read_hf_config(hf_dir))
     initial = {e.mcore: adapter.to_mcore(e, {n: reader.get(n) for n in e.hf}) for e in adapter.entries}
     for objective in OBJECTIVES:
         ref_weights = None

@@ -21,28 +21,29 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 
 import torch.distributed as dist  # noqa: E402
 
+from megatron_rl.config.schema import ParallelismConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_rl.megatron.lora import merged_deltas  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.lora_sync import lora_record  # noqa: E402
 from megatron_rl.weights.sharding import gather_hf_layers  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.lora_layouts_worker import ALGO, LORA, LORA_EXPERTS  # noqa: E402
 
-from megatron_rl.config.schema import LoraConfig, ParallelismConfig, TrainerConfig  # noqa: E402  isort: skip
+from megatron_rl.config.schema import LoraConfig, TrainerConfig  # noqa: E402  isort: skip
 from tests.mp.common import finish  # noqa: E402
 
 
 def build(hf_dir: str, layout: ParallelismConfig, lora: LoraConfig) -> Actor:
     init_parallel(layout, seed=1234)
-    actor = Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32), 2,
+    hf = read_hf_config(hf_dir)
+    actor = Actor(build_model(hf, layout, torch.float32), 2,
                   Training(TrainerConfig(lr=1e-3), layout, total_updates=10), lora=lora)
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     return actor
 
@@ -56,7 +57,7 @@ def merged_hf(actor: Actor, hf_dir: str) -> dict[str, torch.Tensor]:
     """The adapted model's full HF tensors (rank 0), as an export of W + ΔW would write them."""
     out: dict[str, torch.Tensor] = {}
     with merged_deltas(actor.model):
-        for layer in gather_hf_layers(actor.model, adapter_for(read_hf_config(hf_dir))):
+        for layer in gather_hf_layers(actor.model, weight_map(read_hf_config(hf_dir))):
             out.update({k: v.clone() for k, v in layer})    # rank 0's own tensors alias the parameters
     return out
 

@@ -30,8 +30,8 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron_rl.config.schema import AlgorithmConfig, LoraConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron import lora as lora_mod  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import make_batch  # noqa: E402
@@ -49,10 +49,10 @@ GSPO = dict(name="gspo", clip_eps_low=3e-4, clip_eps_high=4e-4, loss_agg_mode="s
 def _actor(hf_dir: str, layout: ParallelismConfig, dropout: float) -> Actor:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    recipe = build_model_recipe(hf, layout, torch.float32)
+    recipe = build_model(hf, layout, torch.float32)
     lora = LoraConfig(rank=4, alpha=8.0, targets=["q", "k", "v", "o"], dropout=dropout)
     actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3, clip_grad=0.0), layout, total_updates=10), lora=lora)
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     g = torch.Generator().manual_seed(5)
     for m in lora_mod.lora_modules(actor.model):     # B ≠ 0: the adapters contribute from the start

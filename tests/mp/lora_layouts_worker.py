@@ -25,8 +25,8 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron_rl.config.schema import AlgorithmConfig, LoraConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
 from megatron_rl.megatron.lora import adapter_shards, adapters_disabled, merged_deltas  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import make_batch  # noqa: E402
@@ -84,9 +84,9 @@ def full_adapters(actor: Actor, grads: bool) -> dict[str, list]:
 def run_layout(hf_dir: str, layout: ParallelismConfig, lora: LoraConfig) -> dict:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    recipe = build_model_recipe(hf, layout, torch.float32)
+    recipe = build_model(hf, layout, torch.float32)
     actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3, clip_grad=0.0), layout, total_updates=10), lora=lora)
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     frozen = {n: p.detach().clone() for n, p in actor.model.named_parameters() if not p.requires_grad}
     batch = make_batch(hf["vocab_size"])

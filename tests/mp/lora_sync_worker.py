@@ -22,12 +22,11 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_rl.config.schema import RolloutConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.lora_sync import sync_lora  # noqa: E402
 from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
@@ -41,7 +40,7 @@ def main() -> None:
     hf_dir, url, token_file, layouts, out = sys.argv[1:6]
     lora = LORA_EXPERTS if sys.argv[6:] == ["experts"] else LORA
     hf = read_hf_config(hf_dir)
-    adapter = adapter_for(hf)
+    adapter = weight_map(hf)
     g = torch.Generator().manual_seed(3)
     probe = TrainBatch(tokens=torch.randint(3, 290, (4, 20), generator=g), mask=torch.ones(4, 19),
                        advantages=torch.zeros(4))
@@ -56,9 +55,9 @@ def main() -> None:
                                    token=Path(token_file).read_text(), port=int(port))
             client = RolloutClient(url, handle.token, "policy", RolloutConfig(), stop_token_ids=[])   # log-probs only
             transport = FileTransport(handle, segment_bytes=1 << 16)
-        actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), 2,
+        actor = Actor(build_model(hf, LAYOUTS[name], torch.float32), 2,
                       Training(TrainerConfig(lr=3e-2), LAYOUTS[name], total_updates=10), lora=lora)
-        load_hf_into_model(actor.model, hf_dir)
+        load_hf_into_model(actor.model, hf_dir, adapter)
         actor.optimizer.reload_model_params()
         batch = make_batch(hf["vocab_size"])
         batch.old_logprobs = actor.compute_logprobs(batch, 1.0)

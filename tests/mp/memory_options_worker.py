@@ -24,9 +24,8 @@ from megatron.core.pipeline_parallel.schedules import custom_backward  # noqa: E
 
 from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_to_rank0  # noqa: E402
 
@@ -89,9 +88,9 @@ def run(hf_dir: str, name: str, layout: ParallelismConfig, dtype: torch.dtype) -
 
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, layout, dtype), 2,
+    actor = Actor(build_model(hf, layout, dtype), 2,
                   Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     entry: dict = {"built": built(actor)}
     batch = make_batch(hf["vocab_size"])
@@ -111,7 +110,7 @@ def run(hf_dir: str, name: str, layout: ParallelismConfig, dtype: torch.dtype) -
     algorithm = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.28, steps_per_generation=2)
     entry["losses"] = [actor.train_step(batch, algorithm, temperature=1.0, rl_step=s)["loss/total"] for s in range(2)]
     weights: dict = {}
-    for part in gather_to_rank0(actor.model, adapter_for(hf).layers()):
+    for part in gather_to_rank0(actor.model, weight_map(hf).layers()):
         weights.update(part)
     entry["weights"] = weights
     dist.barrier()

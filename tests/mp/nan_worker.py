@@ -19,8 +19,8 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 
 from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,9 +37,9 @@ def main() -> None:
     hf_dir, out = sys.argv[1:3]
     init_parallel(LAYOUTS["tp2_sp"], seed=1)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, LAYOUTS["tp2_sp"], torch.float32), 2,
+    actor = Actor(build_model(hf, LAYOUTS["tp2_sp"], torch.float32), 2,
                   Training(TrainerConfig(lr=1e-3), LAYOUTS["tp2_sp"], total_updates=5))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     batch = make_batch(hf["vocab_size"])
     batch.old_logprobs = actor.compute_logprobs(batch, 1.0)

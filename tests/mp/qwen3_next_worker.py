@@ -27,9 +27,8 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megatron_rl.config.schema import ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.hf_io import HFCheckpointReader  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_to_rank0, local_params, unshard  # noqa: E402
@@ -64,7 +63,7 @@ def logits_diff(actor: Actor, ref: dict[str, torch.Tensor]) -> float | None:
 
 def round_trip(actor: Actor, hf_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
     """Megatron's full tensors on rank 0, and the HF tensors that do not come back bit-identical."""
-    adapter = adapter_for(read_hf_config(hf_dir))
+    adapter = weight_map(read_hf_config(hf_dir))
     full: dict[str, torch.Tensor] = {}
     for part in gather_to_rank0(actor.model, adapter.layers()):
         full.update(part)
@@ -101,9 +100,9 @@ def step_one_grads(actor: Actor) -> dict[str, torch.Tensor] | None:
 def run_layout(hf_dir: str, layout: ParallelismConfig, ref: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    actor = Actor(build_model_recipe(hf, layout, torch.float32), 2,
+    actor = Actor(build_model(hf, layout, torch.float32), 2,
                   Training(TrainerConfig(lr=1e-3), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     result: dict = {"max_logit_diff": logits_diff(actor, ref)}
     _, result["round_trip"] = round_trip(actor, hf_dir)

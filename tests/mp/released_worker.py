@@ -27,12 +27,12 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
+from megatron_rl.convert import worker as cw  # noqa: E402
+from megatron_rl.convert.job import ConvertJob, ConvertLayout  # noqa: E402
 from megatron_rl.megatron.actor import Actor, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
-from megatron_rl.weights import convert_worker as cw  # noqa: E402
-from megatron_rl.weights.convert import ConvertJob, ConvertLayout  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
@@ -77,8 +77,9 @@ def parity(hf_dir: Path, name: str, ref: dict[str, torch.Tensor]) -> float:
     """Max |Δ| between HF's logits and megatron's, loaded from HF through the trainer's path."""
     layout = parallel(name)
     init_parallel(layout, seed=5)     # a different seed from the convert's: random init differs
-    actor = Actor(build_model_recipe(read_hf_config(hf_dir), layout, torch.float32), 2, None)
-    load_hf_into_model(actor.model, hf_dir)
+    hf = read_hf_config(hf_dir)
+    actor = Actor(build_model(hf, layout, torch.float32), 2, None)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     logits = pipeline_logits(actor, ref["tokens"])
     diff = None if logits is None else (logits - ref["logits"]).abs().max().item()
     diffs: list[Any] = [None] * dist.get_world_size()

@@ -33,8 +33,8 @@ from megatron.core import parallel_state as ps  # noqa: E402
 
 from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
@@ -56,9 +56,9 @@ SHAPE = {"rows": 8, "length": 24}
 def build(hf_dir: str, layout: ParallelismConfig) -> Actor:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
-    recipe = build_model_recipe(hf, layout, torch.float32)
+    recipe = build_model(hf, layout, torch.float32)
     actor = Actor(recipe, MBS, Training(TrainerConfig(lr=1e-3, clip_grad=1.0), layout, total_updates=10))
-    load_hf_into_model(actor.model, hf_dir)
+    load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()
     assert actor.routing is not None and actor.replay_routes
     return actor

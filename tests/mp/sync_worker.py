@@ -24,12 +24,11 @@ from megatron_rl.config.schema import (  # noqa: E402
     TrainerConfig,
 )
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sync import sync_weights  # noqa: E402
 from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
@@ -65,7 +64,7 @@ def server_diff(actor: Actor, client: RolloutClient | None, probe: TrainBatch) -
 def main() -> None:
     hf_dir, url, token_file, layouts, out = sys.argv[1:6]
     hf = read_hf_config(hf_dir)
-    adapter = adapter_for(hf)
+    adapter = weight_map(hf)
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else None
     g = torch.Generator().manual_seed(3)
     probe = TrainBatch(tokens=torch.randint(3, 290, (4, 20), generator=g), mask=torch.ones(4, 19),
@@ -81,9 +80,9 @@ def main() -> None:
             handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                    token=Path(token_file).read_text(), port=int(port))
             client = RolloutClient(url, handle.token, "policy", RolloutConfig(), stop_token_ids=[])   # log-probs only
-        actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), 2,
+        actor = Actor(build_model(hf, LAYOUTS[name], torch.float32), 2,
                       Training(TrainerConfig(lr=1e-2), LAYOUTS[name], total_updates=10))
-        load_hf_into_model(actor.model, hf_dir)
+        load_hf_into_model(actor.model, hf_dir, adapter)
         actor.optimizer.reload_model_params()
         batch = make_batch(hf["vocab_size"])
         batch.old_logprobs = actor.compute_logprobs(batch, 1.0)

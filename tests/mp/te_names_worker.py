@@ -25,9 +25,8 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 cpu_compat.apply()   # explicit: before anything imports megatron-core
 
 from megatron_rl.megatron.actor import Actor, init_parallel, unwrap  # noqa: E402
-from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
-from megatron_rl.weights.adapters import adapter_for  # noqa: E402
+from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.weights.hf_io import HFCheckpointReader  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_hf_layers, local_params, te_aliases  # noqa: E402
@@ -64,7 +63,7 @@ def to_te_names(model: torch.nn.Module) -> None:
 
 def spec_maps(hf: dict) -> list[dict[str, str]]:
     """The `sharded_state_dict_keys_map` of every layer spec this model is built from."""
-    recipe = build_model_recipe(hf, LAYOUTS["tp1"], torch.float32)
+    recipe = build_model(hf, LAYOUTS["tp1"], torch.float32)
     spec = recipe.layer_spec
     if hf["architectures"][0] == "Qwen3NextForCausalLM":
         from megatron_rl.models.qwen3_next.layers import layer_types
@@ -77,15 +76,15 @@ def spec_maps(hf: dict) -> list[dict[str, str]]:
 def main() -> None:
     hf_dir, layouts, out = sys.argv[1:4]
     hf = read_hf_config(hf_dir)
-    adapter = adapter_for(hf)
+    adapter = weight_map(hf)
     reader = HFCheckpointReader(hf_dir)
     result = {}
     for name in layouts.split(","):
         init_parallel(LAYOUTS[name], seed=1)
-        actor = Actor(build_model_recipe(hf, LAYOUTS[name], torch.float32), 1, None)
+        actor = Actor(build_model(hf, LAYOUTS[name], torch.float32), 1, None)
         to_te_names(actor.model)
         names = [n for n, _ in unwrap(actor.model).named_parameters()]
-        load_hf_into_model(actor.model, hf_dir)
+        load_hf_into_model(actor.model, hf_dir, adapter)
         got = {}
         for part in gather_hf_layers(actor.model, adapter):
             got.update(part)

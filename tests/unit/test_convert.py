@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.weights.convert import ConversionError, ConvertLayout, parse_size
+from megatron_rl.convert.job import ConversionError, ConvertLayout, parse_size
 from megatron_rl.weights.hf_io import CheckpointError, HFCheckpointReader
 from megatron_rl.weights.progress import ByteProgress
 from megatron_rl.weights.stream_io import PlannedHFWriter, TensorInfo, lossless_dtype, read_header

@@ -10,12 +10,11 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.data.chord_sft import read_expert_texts
-from megatron_rl.data.medmcqa import detect_cop_base
-from megatron_rl.data.medxpertqa import read_medxpertqa
-from megatron_rl.data.prompts import ARTICLE_000_SYSTEM
 from megatron_rl.data.schema import DataError, PromptRecord, read_prompts, read_sft
-from megatron_rl.eval.mcq import score_mcq
-from megatron_rl.rewards.medmcqa import medmcqa_strict
+from megatron_rl.tasks.mcq.scoring import score_mcq
+from megatron_rl.tasks.medmcqa.data import ARTICLE_000_SYSTEM, detect_cop_base
+from megatron_rl.tasks.medmcqa.rewards import medmcqa_strict
+from megatron_rl.tasks.medxpertqa.data import read_medxpertqa
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MEDXPERTQA = FIXTURES / "medxpertqa" / "test.jsonl"

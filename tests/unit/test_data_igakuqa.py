@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.data.igakuqa import load_igakuqa, parse_problem_id
-from megatron_rl.data.medmcqa import read_medmcqa
-from megatron_rl.data.prepare import prepare_igakuqa, prepare_medmcqa
-from megatron_rl.data.prompts import build_messages, format_prompt, render_question
+from megatron_rl.data.prompts import format_prompt
 from megatron_rl.data.schema import (
     DataError,
     PromptRecord,
@@ -23,7 +20,11 @@ from megatron_rl.data.schema import (
     read_sft,
     write_jsonl,
 )
-from megatron_rl.rewards.mcq import extract_answer
+from megatron_rl.tasks.igakuqa.data import load_igakuqa, parse_problem_id
+from megatron_rl.tasks.igakuqa.prepare import prepare_igakuqa
+from megatron_rl.tasks.mcq.answer import extract_answer
+from megatron_rl.tasks.mcq.prompts import build_messages, render_question
+from megatron_rl.tasks.medmcqa.data import prepare_medmcqa, read_medmcqa
 from tests.helpers.igakuqa import FIXTURE, REAL_DIR, needs_real_igakuqa
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from scipy.stats import binomtest
 
-from megatron_rl.data.igakuqa import load_igakuqa
 from megatron_rl.data.schema import DataError
-from megatron_rl.eval import igakuqa_report
-from megatron_rl.eval.compare import compare_results, plot_category_deltas, render_markdown
-from megatron_rl.eval.igakuqa_report import PassCriteria, QuestionResult, build_report, evaluate
-from megatron_rl.eval.igakuqa_report import render_markdown as report_markdown
-from megatron_rl.eval.scoring import load_predictions
+from megatron_rl.tasks.igakuqa import report as igakuqa_report
+from megatron_rl.tasks.igakuqa.compare import compare_results, plot_category_deltas, render_markdown
+from megatron_rl.tasks.igakuqa.data import load_igakuqa
+from megatron_rl.tasks.igakuqa.report import PassCriteria, QuestionResult, build_report, evaluate
+from megatron_rl.tasks.igakuqa.report import render_markdown as report_markdown
+from megatron_rl.tasks.igakuqa.scoring import load_predictions
 from tests.helpers.igakuqa import (
     FIXTURE,
     FIXTURE_BASELINES,

@@ -8,7 +8,7 @@ import random
 import pytest
 from scipy.stats import binomtest
 
-from megatron_rl.eval.stats import binomial_half_cdf_numerator, mcnemar, mcnemar_exact
+from megatron_rl.tasks.igakuqa.stats import binomial_half_cdf_numerator, mcnemar, mcnemar_exact
 
 REL_TOL = 1e-12
 

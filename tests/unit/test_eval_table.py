@@ -13,12 +13,12 @@ import pytest
 from scipy.stats import binomtest
 
 from megatron_rl import cli
-from megatron_rl.data.igakuqa import load_igakuqa
 from megatron_rl.data.schema import DataError
-from megatron_rl.eval.igakuqa_report import evaluate
-from megatron_rl.eval.scoring import load_predictions
-from megatron_rl.eval.stats import format_p, significance_mark
-from megatron_rl.eval.table import build_table, parse_system_spec, render_markdown
+from megatron_rl.tasks.igakuqa.data import load_igakuqa
+from megatron_rl.tasks.igakuqa.report import evaluate
+from megatron_rl.tasks.igakuqa.scoring import load_predictions
+from megatron_rl.tasks.igakuqa.stats import format_p, significance_mark
+from megatron_rl.tasks.igakuqa.table import build_table, parse_system_spec, render_markdown
 from tests.helpers.igakuqa import (
     FIXTURE,
     FIXTURE_BASELINES,

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from megatron_rl.model_config import HF_DEFAULTS, head_dim, moe_layers, rope_theta, with_hf_defaults
-from megatron_rl.planner.params import ARCHITECTURES, read_dims
-from megatron_rl.weights.adapters import adapter_for
+from megatron_rl.models import planner_shape, weight_map
+from megatron_rl.planner.params import read_dims
 
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3NextForCausalLM": "qwen3_next"}
 # What a config.json may say instead of the field transformers keeps (transformers 5 renames).
@@ -84,9 +84,9 @@ def test_layer_pattern_is_transformers(tmp_path: Path) -> None:
     theirs = [hasattr(layer.mlp, "gate") and not hasattr(layer.mlp, "gate_proj") for layer in model.model.layers]
     assert moe_layers(fields) == theirs == [False, True, False, False, False, True]
     hf = with_hf_defaults(fields)
-    mapped = {e.layer for e in adapter_for(fields).entries if e.mcore.endswith("router.weight")}
+    mapped = {e.layer for e in weight_map(fields).entries if e.mcore.endswith("router.weight")}
     assert mapped == {i for i, moe in enumerate(theirs) if moe}
-    dims = read_dims(fields, ARCHITECTURES["Qwen3MoeForCausalLM"])
+    dims = read_dims(fields, planner_shape(fields))
     from megatron_rl.planner.params import is_moe_layer
 
     assert [is_moe_layer(dims, i) for i in range(hf["num_hidden_layers"])] == theirs
@@ -97,8 +97,8 @@ import json, sys, torch
 from megatron_rl.megatron import cpu_compat
 cpu_compat.apply()
 from megatron_rl.config.schema import ParallelismConfig
-from megatron_rl.megatron.providers import build_model_recipe
-recipe = build_model_recipe(json.loads(sys.argv[1]), ParallelismConfig(), torch.float32)
+from megatron_rl.models import build_model
+recipe = build_model(json.loads(sys.argv[1]), ParallelismConfig(), torch.float32)
 c = recipe.config
 print(json.dumps(dict(groups=c.num_query_groups, kv=c.kv_channels, pre_softmax=c.moe_router_pre_softmax,
                       freq=c.moe_layer_freq, base=recipe.rotary_base, eps=c.layernorm_epsilon,

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from megatron_rl.weights.adapters import adapter_for
+from megatron_rl.models import weight_map
 from tests.helpers.models import TINY_QWEN3_NEXT
 
 
@@ -32,7 +32,7 @@ def _bridge_export(p: torch.Tensor) -> torch.Tensor:
 
 
 def _out_norm_entries() -> list:
-    adapter = adapter_for(TINY_QWEN3_NEXT)
+    adapter = weight_map(TINY_QWEN3_NEXT)
     return [e for e in adapter.entries if e.mcore.endswith("out_norm.weight")]
 
 
@@ -46,7 +46,7 @@ def test_out_norm_names_are_the_bridges() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_values_are_the_bridges_and_round_trip_exactly_from_half(dtype: torch.dtype) -> None:
     entry = _out_norm_entries()[0]
-    adapter = adapter_for(TINY_QWEN3_NEXT)
+    adapter = weight_map(TINY_QWEN3_NEXT)
     w = (0.5 + 7.5 * torch.rand(4096, generator=torch.Generator().manual_seed(0))).to(dtype)  # [0.5, 8)
     p = adapter.to_mcore(entry, {entry.hf[0]: w})
     assert p.dtype == dtype and torch.equal(p, _bridge_import(w))
@@ -56,7 +56,7 @@ def test_values_are_the_bridges_and_round_trip_exactly_from_half(dtype: torch.dt
 
 def test_weights_below_half_are_reported(caplog: pytest.LogCaptureFixture) -> None:
     entry = _out_norm_entries()[0]
-    adapter = adapter_for(TINY_QWEN3_NEXT)
+    adapter = weight_map(TINY_QWEN3_NEXT)
     w = torch.tensor([0.7, 0.3001, 0.01, 1.5], dtype=torch.bfloat16)
     with caplog.at_level(logging.WARNING):
         p = adapter.to_mcore(entry, {entry.hf[0]: w})

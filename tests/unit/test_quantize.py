@@ -18,8 +18,8 @@ cpu_compat.apply()
 from megatron_rl.config.schema import LoraConfig, ParallelismConfig  # noqa: E402
 from megatron_rl.megatron.actor import init_parallel  # noqa: E402
 from megatron_rl.megatron.devices import init_distributed  # noqa: E402
+from megatron_rl.megatron.gpt import build_gpt_model  # noqa: E402
 from megatron_rl.megatron.lora import apply_lora, merged_deltas  # noqa: E402
-from megatron_rl.megatron.providers import build_gpt_model, build_model_recipe  # noqa: E402
 from megatron_rl.megatron.quantize import (  # noqa: E402
     QuantizationError,
     dequantize,
@@ -27,6 +27,7 @@ from megatron_rl.megatron.quantize import (  # noqa: E402
     quantize_frozen_base,
     tensor_nbytes,
 )
+from megatron_rl.models import build_model  # noqa: E402
 from megatron_rl.nf4 import nf4_bytes  # noqa: E402
 
 FIELDS = yaml.safe_load((REPO / "recipes/tiny/base.yaml").read_text())["model"]["tiny"]
@@ -42,7 +43,7 @@ LOGIT_REL_RMS = 0.2
 
 
 def _model() -> Any:
-    model = build_gpt_model(build_model_recipe(dict(FIELDS), ParallelismConfig(), torch.float32))
+    model = build_gpt_model(build_model(dict(FIELDS), ParallelismConfig(), torch.float32))
     for name, p in model.named_parameters():        # a frozen base; the embedding stands in for
         p.requires_grad_(name.startswith("embedding"))   # the trainable adapters upstream of the linears
     return model

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl.models import weight_map
 from megatron_rl.models.qwen3_next.layers import layer_types
-from megatron_rl.weights.adapters import adapter_for
 from megatron_rl.weights.hf_io import HFCheckpointReader
 from tests.mp.launch import REPO
 
@@ -30,7 +30,7 @@ def test_layer_pattern_from_interval_or_layer_types() -> None:
 def test_weight_map_covers_the_saved_checkpoint_and_inverts_exactly(tiny: tuple[Path, Path]) -> None:
     ckpt, _ = tiny
     reader = HFCheckpointReader(ckpt)
-    adapter = adapter_for(json.loads((ckpt / "config.json").read_text()))
+    adapter = weight_map(json.loads((ckpt / "config.json").read_text()))
     assert sorted(adapter.hf_names()) == sorted(reader.names())      # per-expert tensors on disk
     for entry in adapter.entries:
         parts = {n: reader.get(n) for n in entry.hf}

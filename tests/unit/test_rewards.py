@@ -18,8 +18,8 @@ from megatron_rl.rewards import (
     registry,
 )
 from megatron_rl.rewards.language import japanese_only
-from megatron_rl.rewards.mcq import extract_answer, format_answer, mcq_answer, prohibited_choice
-from megatron_rl.rewards.medmcqa import medmcqa_flexible, medmcqa_strict
+from megatron_rl.tasks.mcq.answer import extract_answer, format_answer, mcq_answer, prohibited_choice
+from megatron_rl.tasks.medmcqa.rewards import medmcqa_flexible, medmcqa_strict
 
 SAMPLE_AC = {"answer": ["a", "c"], "metadata": {"kinki": ["e"]}}
 BUILTIN = {"mcq_answer", "prohibited_choice", "japanese_only", "medmcqa_strict",
@@ -172,7 +172,7 @@ def test_medmcqa_strict_and_flexible(response: str, strict: float, flexible: flo
 ])
 def test_medmcqa_differs_from_the_published_extractor_as_documented(
         response: str, expected: str | None) -> None:
-    from megatron_rl.rewards.medmcqa import extract_medmcqa_answer
+    from megatron_rl.tasks.medmcqa.rewards import extract_medmcqa_answer
 
     got = extract_medmcqa_answer(response, flexible=False)
     assert got == (None if expected is None else frozenset({expected}))
@@ -217,7 +217,7 @@ def test_register_reward_and_duplicate_names() -> None:
         with pytest.raises(ValueError, match="already registered"):
             register_reward("test_length_bonus")(lambda response, sample: 0.0)
     finally:
-        registry._REGISTRY.pop("test_length_bonus", None)
+        registry.REWARDS._items.pop("test_length_bonus", None)
     assert "test_length_bonus" not in available_rewards()
 
 

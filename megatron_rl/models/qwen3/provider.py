@@ -1,5 +1,5 @@
 """Providers of Qwen3ForCausalLM (dense) and Qwen3MoeForCausalLM: the shared GPT configuration of
-`megatron/providers.py` with Megatron's GPT layer specs."""
+`megatron/gpt.py` with Megatron's GPT layer specs."""
 
 from __future__ import annotations
 
@@ -9,15 +9,7 @@ import torch
 
 from ...config.schema import ParallelismConfig
 from ...megatron import cpu_compat
-from ...megatron.providers import (
-    ModelRecipe,
-    _common_config,
-    _local_or_te_spec,
-    _moe_config,
-    _recipe,
-    provider,
-    use_transformer_engine,
-)
+from ...megatron.gpt import ModelRecipe, common_config, gpt_spec, model_recipe, moe_config, use_transformer_engine
 from ...model_config import moe_layers, num_experts
 
 cpu_compat.require_applied()   # megatron-core below is imported only after the CPU patches
@@ -26,18 +18,17 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec 
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 
-@provider("Qwen3ForCausalLM")
 def qwen3_dense(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
-    config = TransformerConfig(**_common_config(hf, layout, dtype))
-    return _recipe(hf, config, _local_or_te_spec(None))
+    config = TransformerConfig(**common_config(hf, layout, dtype))
+    return model_recipe(hf, config, gpt_spec(None))
 
 
-@provider("Qwen3MoeForCausalLM")
 def qwen3_moe(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
-    config = TransformerConfig(**_common_config(hf, layout, dtype), **_moe_config(hf, layout))
+    config = TransformerConfig(**common_config(hf, layout, dtype), **moe_config(hf, layout))
     if all(moe_layers(hf)):
-        return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
+        return model_recipe(hf, config, gpt_spec(num_experts(hf)))
     # Dense layers too (mlp_only_layers, decoder_sparse_step): one spec per layer, from
     # moe_layer_freq; a single layer spec would make megatron build every layer MoE.
-    return _recipe(hf, config, lambda vp_stage: get_gpt_decoder_block_spec(
+    return model_recipe(hf, config, lambda vp_stage: get_gpt_decoder_block_spec(
         config, use_transformer_engine(), normalization="RMSNorm", vp_stage=vp_stage))
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...model_config import head_dim, moe_layers, num_experts
-from ...weights.adapters import Entry, WeightAdapter, cat_rows, qkv_merge, register_adapter, split_rows
+from ...weights.map import Entry, WeightAdapter, cat_rows, qkv_merge, split_rows
 
 
 def attention_entries(hf: dict[str, Any], i: int, hf_attn: str, mc_attn: str) -> list[Entry]:
@@ -51,8 +51,8 @@ def global_entries(hf: dict[str, Any], last: bool) -> list[Entry]:
     return out
 
 
-@register_adapter("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-def qwen3_adapter(hf: dict[str, Any]) -> WeightAdapter:
+def qwen3_weight_map(hf: dict[str, Any]) -> WeightAdapter:
+    """Qwen3ForCausalLM and Qwen3MoeForCausalLM (which layers are MoE: `moe_layers`)."""
     entries = global_entries(hf, last=False)
     for i in range(hf["num_hidden_layers"]):
         hf_l, mc_l = f"model.layers.{i}", f"decoder.layers.{i}"

@@ -22,14 +22,7 @@ import torch
 
 from ...config.schema import ParallelismConfig
 from ...megatron import cpu_compat
-from ...megatron.providers import (
-    ModelRecipe,
-    _common_config,
-    _moe_config,
-    _recipe,
-    provider,
-    use_transformer_engine,
-)
+from ...megatron.gpt import ModelRecipe, common_config, model_recipe, moe_config, use_transformer_engine
 from ...megatron.sections import GDN_SHARDED_KEYS, TP_SECTIONS_ATTR
 from ...model_config import num_experts, rope_parameters
 from .layers import ARCH, LINEAR, layer_types
@@ -157,7 +150,7 @@ def qwen3_next_config(hf: dict[str, Any], layout: ParallelismConfig, dtype: torc
         raise NotImplementedError(f"{ARCH}: only silu and bias-free attention are supported")
     types = layer_types(hf)
     fields = dict(
-        **_common_config(hf, layout, dtype),
+        **common_config(hf, layout, dtype),
         # Qwen3NextRMSNorm computes x̂ · (1 + w): the input, post-attention, q/k and final norms.
         layernorm_zero_centered_gamma=True,
         attention_output_gate=True,
@@ -173,17 +166,16 @@ def qwen3_next_config(hf: dict[str, Any], layout: ParallelismConfig, dtype: torc
         deterministic_mode=cpu_compat.cuda_absent(),
     )
     if num_experts(hf):
-        fields.update(_moe_config(hf, layout))
+        fields.update(moe_config(hf, layout))
         if hf["shared_expert_intermediate_size"]:
             fields.update(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
                           moe_shared_expert_gate=True)   # sigmoid(x · w_gate) scales the shared expert
     return TransformerConfig(**fields)
 
 
-@provider(ARCH)
 def qwen3_next(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
     config = qwen3_next_config(hf, layout, dtype)
     types = layer_types(hf)
-    recipe = _recipe(hf, config, lambda vp_stage: block_spec(config, types, vp_stage))
+    recipe = model_recipe(hf, config, lambda vp_stage: block_spec(config, types, vp_stage))
     recipe.rotary_percent = partial_rotary_factor(hf)
     return recipe

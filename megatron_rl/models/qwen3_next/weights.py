@@ -31,18 +31,17 @@ from typing import Any
 import torch
 
 from ...model_config import head_dim
-from ...weights.adapters import (
+from ...weights.map import (
     Entry,
     Merge,
     Split,
     Tensor,
     WeightAdapter,
     interleave_groups,
-    register_adapter,
     split_groups,
 )
 from ..qwen3.weights import attention_entries, global_entries, mlp_entries, moe_layer, swiglu_entries
-from .layers import ARCH, LINEAR, layer_types
+from .layers import LINEAR, layer_types
 
 log = logging.getLogger(__name__)
 MTP_PREFIX = "mtp."
@@ -131,8 +130,7 @@ def shared_expert_entries(hf: dict[str, Any], i: int) -> list[Entry]:
         Entry(f"{mc_mlp}.shared_experts.gate_weight", (f"{hf_mlp}.shared_expert_gate.weight",), i)]
 
 
-@register_adapter(ARCH)
-def qwen3_next_adapter(hf: dict[str, Any]) -> WeightAdapter:
+def qwen3_next_weight_map(hf: dict[str, Any]) -> WeightAdapter:
     entries = global_entries(hf, last=False)
     for i, kind in enumerate(layer_types(hf)):
         hf_l, mc_l = f"model.layers.{i}", f"decoder.layers.{i}"

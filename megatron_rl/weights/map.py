@@ -1,7 +1,8 @@
-"""The weight map: HF tensor names ↔ full (unsharded) Megatron-core tensor names.
+"""The weight map's building blocks: HF tensor names ↔ full (unsharded) Megatron-core tensor names.
 
-An adapter lists, per architecture, `Entry`s: one Megatron tensor made from one or more HF tensors
-(`merge`) and split back (`split`). Names here are *global and unsharded*: layer numbers count over
+A map (`WeightAdapter`, built by each model folder's `weights.py` and found through the model
+registry, `megatron_rl.models.weight_map`) lists `Entry`s: one Megatron tensor made from one or
+more HF tensors (`merge`) and split back (`split`). Names here are *global and unsharded*: layer numbers count over
 all pipeline stages and expert numbers over all expert-parallel ranks; `sharding.py` maps them to
 one rank's local parameters. The same entries serve checkpoint conversion and weight sync, so a
 mapping bug cannot hide in one path only.
@@ -14,8 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from ..model_config import with_hf_defaults
 
 Tensor = torch.Tensor
 Merge = Callable[[list[Tensor]], Tensor]
@@ -124,27 +123,3 @@ class WeightAdapter:
             if e.layer not in seen:
                 seen.append(e.layer)
         return seen
-
-
-AdapterFn = Callable[[dict[str, Any]], WeightAdapter]
-ADAPTERS: dict[str, AdapterFn] = {}
-
-
-def register_adapter(*architectures: str) -> Callable[[AdapterFn], AdapterFn]:
-    def register(fn: AdapterFn) -> AdapterFn:
-        for arch in architectures:
-            ADAPTERS[arch] = fn
-        return fn
-    return register
-
-
-def adapter_for(hf_config: dict[str, Any]) -> WeightAdapter:
-    """The adapter for `hf_config['architectures'][0]`, absent keys read as transformers would."""
-    from ..models import MODELS, load_model  # the registry: imports the architecture's folder
-
-    archs = hf_config.get("architectures") or []
-    if archs:
-        load_model(archs[0], "weights")
-    if not archs or archs[0] not in ADAPTERS:
-        raise ValueError(f"no weight map for architecture {archs[:1]}; supported: {', '.join(sorted(MODELS))}")
-    return ADAPTERS[archs[0]](with_hf_defaults(hf_config))

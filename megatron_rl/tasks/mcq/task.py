@@ -1,12 +1,12 @@
 """Multiple choice in the project's `[ans]…[/ans]` answer format (the demo's task).
 
-A correct response's last answer tag names exactly the gold set (`rewards.mcq.mcq_answer`).
+A correct response's last answer tag names exactly the gold set (`answer.mcq_answer`).
 """
 
 from __future__ import annotations
 
-from ..rewards.mcq import extract_answer, format_answer, mcq_answer
-from .task import Task
+from ..task import Task
+from .answer import extract_answer, format_answer, mcq_answer
 
 
 def has_answer_tag(response: str) -> bool:

@@ -1,7 +1,7 @@
 """IgakuQA (Japanese medical licensing exam) in the `[ans]…[/ans]` format.
 
 Rewards of the published setup: answer correctness (1.5) and staying in Japanese (1.0). The scorer
-is the benchmark's official rule (`eval.scoring.is_correct`): the predicted set equals the gold
+is the benchmark's official rule (`scoring.is_correct`): the predicted set equals the gold
 set or an accepted alternative, and the questions in `ALL_CORRECT_IDS` count for every answer.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..data.igakuqa import ALL_CORRECT_IDS, IgakuQAQuestion, parse_problem_id
-from ..eval.scoring import letter_set_correct, selects_prohibited
-from ..rewards.mcq import extract_answer, format_answer, mcq_answer
-from ..rewards.registry import sample_field
-from .mcq import has_answer_tag
-from .task import Task
+from ...rewards.registry import sample_field
+from ..mcq.answer import extract_answer, format_answer, mcq_answer
+from ..mcq.task import has_answer_tag
+from ..task import Task
+from .data import ALL_CORRECT_IDS, IgakuQAQuestion, parse_problem_id
+from .scoring import letter_set_correct, selects_prohibited
 
 
 def official_score(response: str, sample: Any) -> float:
@@ -43,7 +43,7 @@ def benchmark_metrics(responses: list[str], samples: list[Any]) -> dict[str, flo
     if not questions:
         return {}
     # A raw output's tag is read as a letter set (its canonical "a,c" string): on such strings the
-    # benchmark's own rule and the letter-set rule agree (eval.scoring).
+    # benchmark's own rule and the letter-set rule agree (scoring.py).
     correct = [letter_set_correct(q, answer) for q, answer in questions]
     possible = sum(q.points for q, _ in questions)
     earned = sum(q.points for (q, _), ok in zip(questions, correct, strict=True) if ok)

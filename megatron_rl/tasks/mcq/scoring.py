@@ -6,8 +6,8 @@
 answer set. The answer is the `[ans]…[/ans]` tag when there is one, else an explicit statement
 ("The correct answer is C", "Answer: C", "答え: C"; `--parse flexible` adds "answer is C",
 "option C" and a last line that is only the letter), with the letters of the question's own
-options (a–j for MedXpertQA Text): the rules of `rewards/medmcqa.py`, so the training reward and
-the evaluation read answers alike. A prediction with no answer counts as wrong and is counted as
+options (a–j for MedXpertQA Text): the rules of `tasks/medmcqa/rewards.py`, so the training
+reward and the evaluation read answers alike. A prediction with no answer counts as wrong and is counted as
 `no_answer`; a prompt without a prediction is `missing` and counts as wrong too (the denominator
 is always the prompt file), so a partial run cannot inflate the score.
 """
@@ -19,9 +19,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from ..data.schema import DataError, Location, PromptRecord, read_jsonl, require
-from ..rewards.mcq import gold_sets
-from ..rewards.medmcqa import extract_medmcqa_answer
+from ...data.schema import DataError, Location, PromptRecord, read_jsonl, require
+from ..medmcqa.rewards import extract_medmcqa_answer
+from .answer import gold_sets
 
 PARSE_MODES: tuple[str, ...] = ("strict", "flexible")
 

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from megatron_rl.data.igakuqa import IgakuQAQuestion
-from megatron_rl.data.schema import DataError
-from megatron_rl.eval.scoring import (
+from ...data.schema import DataError
+from .data import IgakuQAQuestion
+from .scoring import (
     DEFAULT_RULE,
     RULE_DESCRIPTIONS,
     PredictionSet,

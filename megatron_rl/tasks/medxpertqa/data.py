@@ -1,4 +1,6 @@
-"""MedXpertQA reader (Zuo et al., 2025; "MedexpertQA" in article 000, which reports its accuracy).
+"""MedXpertQA (Zuo et al., 2025; "MedexpertQA" in article 000, which reports its accuracy): an
+evaluation-only task (no `TASK`: nothing trains on it). Its reader and `prepare_medxpertqa`
+(`megatron-rl data prepare medxpertqa`: medxpertqa_<split>.jsonl, options a–j).
 
 The published files (`Text/test.jsonl`, `MM/test.jsonl` of `TsinghuaC3I/MedXpertQA`) hold one
 object per line:
@@ -12,7 +14,7 @@ object per line:
 
 `options` may also come as a list of `{"letter", "content"}` and `label` as a one-letter list (the
 benchmark's own evaluation outputs carry them so). The prompt shows the stem without its appended
-"Answer Choices:" line and lists the options in the project's format (a–j, `data/prompts.py`), so
+"Answer Choices:" line and lists the options in the project's format (a–j, `tasks/mcq/prompts.py`), so
 it asks for the `[ans]` answer like every other task; `eval mcq` scores the predictions.
 Questions with images (the MM subset) need a vision model: left out and counted.
 """
@@ -21,10 +23,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .schema import Location, ReadStats, optional, read_jsonl, require
+from ...data.prepare import PrepareResult
+from ...data.schema import DataError, Location, PromptRecord, ReadStats, optional, read_jsonl, require
+from ..mcq.prompts import build_messages
 
 _CHOICES_TAIL = re.compile(r"\s*Answer Choices:\s*\(A\).*\Z", re.DOTALL)
 GROUP_KEYS: tuple[str, ...] = ("medical_task", "body_system", "question_type")
@@ -90,3 +96,37 @@ def _parse(obj: dict[str, Any], loc: Location) -> MedXpertQAQuestion:
 def read_medxpertqa(path: str | os.PathLike[str], *, on_malformed: str = "error",
                     stats: ReadStats | None = None) -> list[MedXpertQAQuestion]:
     return list(read_jsonl(path, _parse, on_malformed=on_malformed, stats=stats))
+
+
+def medxpertqa_prompt(question: MedXpertQAQuestion) -> PromptRecord:
+    return PromptRecord(
+        id=question.id, source="medxpertqa",
+        messages=build_messages(question.stem, question.options, language="en"),
+        answer=[question.answer], choices=list(question.options),
+        metadata={"medical_task": question.medical_task, "body_system": question.body_system,
+                  "question_type": question.question_type},
+    )
+
+
+def prepare_medxpertqa(src: str | os.PathLike[str], out: str | os.PathLike[str], *, split: str = "test",
+                       limit: int | None = None, on_malformed: str = "error") -> PrepareResult:
+    """MedXpertQA (Text; MM rows with images are left out) → medxpertqa_<split>.jsonl prompts for
+    `eval generate` and `eval mcq`."""
+    stats = ReadStats(str(src))
+    questions = read_medxpertqa(src, on_malformed=on_malformed, stats=stats)
+    excluded: Counter[str] = Counter()
+    prompts: list[PromptRecord] = []
+    seen: set[str] = set()
+    for question in questions:
+        if question.id in seen:
+            raise DataError(f"duplicate id {question.id!r}", src)
+        seen.add(question.id)
+        if question.images:
+            excluded["needs_image"] += 1
+        elif limit is None or len(prompts) < limit:
+            prompts.append(medxpertqa_prompt(question))
+    result = PrepareResult(excluded=dict(excluded), read_stats=[stats.to_dict()])
+    result.notes = {"limit": limit, "options": sorted({len(p.choices) for p in prompts})}
+    result.write(out, f"medxpertqa_{split}", prompts)
+    result.write_summary(Path(out) / f"medxpertqa_{split}_prepare.json")
+    return result

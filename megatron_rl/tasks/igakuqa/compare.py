@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.eval.igakuqa_report import QuestionResult, group_by, markdown_table, pct
-from megatron_rl.eval.scoring import DEFAULT_RULE, RULE_DESCRIPTIONS, check_rule
-from megatron_rl.eval.stats import format_p, mcnemar
+from .report import QuestionResult, group_by, markdown_table, pct
+from .scoring import DEFAULT_RULE, RULE_DESCRIPTIONS, check_rule
+from .stats import format_p, mcnemar
 
 SIGNIFICANCE_LEVEL = 0.05
 CJK_FONT_HINTS: tuple[str, ...] = ("Noto Sans CJK", "IPAGothic", "IPAexGothic", "TakaoGothic")

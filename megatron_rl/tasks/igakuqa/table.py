@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.data.schema import DataError
-from megatron_rl.eval.igakuqa_report import QuestionResult, markdown_table, pct
-from megatron_rl.eval.scoring import RULE_DESCRIPTIONS, check_rule
-from megatron_rl.eval.stats import format_p, mcnemar, significance_mark
+from ...data.schema import DataError
+from .report import QuestionResult, markdown_table, pct
+from .scoring import RULE_DESCRIPTIONS, check_rule
+from .stats import format_p, mcnemar, significance_mark
 
 ALL = "All"
 TEXT_ONLY = "All (text only)"
@@ -214,7 +214,7 @@ def plot_table(table: Mapping[str, Any], accuracy_png: str | os.PathLike[str],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_rl.eval.compare import CATEGORY_EN, cjk_font
+    from .compare import CATEGORY_EN, cjk_font
 
     columns, rows = table["columns"], table["rows"]
     width = 0.8 / len(rows)

@@ -1,4 +1,4 @@
-"""The collective side of checkpoint conversion: run by every `torchrun` worker `convert.py` starts.
+"""The collective side of checkpoint conversion: run by every `torchrun` worker `launcher.py` starts.
 
 hf-to-mcore: each rank builds its shard of the model, checks every name and shape against the HF
 headers (all ranks' findings gathered into one error), then fills its parameters one tensor at a
@@ -36,15 +36,15 @@ from ..config.schema import LoraConfig, ParallelismConfig
 from ..megatron.actor import Actor, init_parallel
 from ..megatron.checkpoint import COMPLETE, load_checkpoint, save_checkpoint
 from ..megatron.lora import merged_deltas
-from ..megatron.providers import build_model_recipe
 from ..model_config import ModelConfigError, read_hf_config
-from .adapters import Entry, WeightAdapter, adapter_for
-from .convert import HF_TO_MCORE, ConversionError, ConvertJob, ConvertLayout, stats_payload, write_error
-from .hf_io import SIDE_FILES, CheckpointError, HFCheckpointReader
-from .lora_sync import load_recorded_base, lora_config
-from .progress import ByteProgress
-from .sharding import LocalParam, gather_hf_layers, load_full_tensors, local_params
-from .stream_io import PlannedHFWriter, TensorInfo, checkpoint_tensor_infos, lossless_dtype
+from ..models import build_model, weight_map
+from ..weights.hf_io import SIDE_FILES, CheckpointError, HFCheckpointReader
+from ..weights.lora_sync import load_recorded_base, lora_config
+from ..weights.map import Entry, WeightAdapter
+from ..weights.progress import ByteProgress
+from ..weights.sharding import LocalParam, gather_hf_layers, load_full_tensors, local_params
+from ..weights.stream_io import PlannedHFWriter, TensorInfo, checkpoint_tensor_infos, lossless_dtype
+from .job import HF_TO_MCORE, ConversionError, ConvertJob, ConvertLayout, stats_payload, write_error
 
 HF_SUBDIR = "hf"
 WEIGHT_DTYPES = "weight_dtypes.json"
@@ -67,7 +67,7 @@ def frozen_model(hf: dict[str, Any], layout: ConvertLayout, dtype: torch.dtype,
     pl = parallel_layout(layout)
     try:
         init_parallel(pl, seed=0)
-        recipe = build_model_recipe(hf, pl, dtype)
+        recipe = build_model(hf, pl, dtype)
     except (ValueError, AssertionError, RuntimeError) as exc:   # e.g. heads not divisible by TP
         world = dist.get_world_size() if dist.is_initialized() else "?"
         raise ConversionError(f"cannot build the model at {layout} on {world} worker(s): {exc}") from exc
@@ -136,7 +136,7 @@ def hf_to_mcore(job: ConvertJob) -> dict[str, Any]:
     start = time.perf_counter()
     src, out = Path(job.src), Path(job.out)
     hf = read_hf_config(src)
-    adapter = adapter_for(hf)
+    adapter = weight_map(hf)
     reader = HFCheckpointReader(src)
     try:
         found = checkpoint_tensor_infos(reader)
@@ -257,14 +257,14 @@ def mcore_to_hf(job: ConvertJob) -> dict[str, Any]:
     extra = json.loads((src / COMPLETE).read_text()).get("extra", {})
     side = src / HF_SUBDIR
     hf = _recorded_hf_config(job, side, extra)
-    adapter = adapter_for(hf)
+    adapter = weight_map(hf)
     recorded = json.loads((side / WEIGHT_DTYPES).read_text()) if (side / WEIGHT_DTYPES).is_file() else {}
     params_dtype = (_dtype(extra.get("params_dtype")) or _dtype(hf.get("dtype") or hf.get("torch_dtype"))
                     or torch.float32)
     lora = extra.get("lora")    # a LoRA checkpoint: adapters only, merged into their base below
     actor = frozen_model(hf, job.layout, params_dtype, lora_config(lora))
     if lora is not None:
-        load_recorded_base(actor, lora, str(src))
+        load_recorded_base(actor, lora, str(src), adapter)
     load_checkpoint(actor, src, load_optimizer=False)
     load_s = time.perf_counter() - start
     shapes, unmapped = model_tensors(adapter, local_params(actor.model))

@@ -1,11 +1,11 @@
 """MedMCQA answer rewards (single answer, options a–d): `medmcqa_strict` and `medmcqa_flexible`.
 
-Both look only at the response tail (`registry.MAX_TAIL_CHARS`), NFKC-normalised so full-width
+Both look only at the response tail (`rewards.registry.MAX_TAIL_CHARS`), NFKC-normalised so full-width
 text matches, and try answer patterns in priority order; the first pattern that matches decides,
 using its LAST match in the tail:
 
   strict (explicit answer statements only)
-    1. `[ans]X[/ans]`                      (the project's format; parsed by `mcq.extract_answer`)
+    1. `[ans]X[/ans]`                      (the project's format; parsed by `mcq.answer.extract_answer`)
     2. `The correct answer/option is X`
     3. `Answer: X` / `Final answer: X`      (colon required)
     4. `答え: X`, `答えはX`, `正解: X`, `正解はX`
@@ -39,7 +39,7 @@ curve cannot be compared with this one:
   batch (no `indices` kwarg is passed by ms-swift), not the completion's own question (here each
   reward call receives its own sample);
 - the options were not in the prompt (only `question` is mapped to the query), while the system
-  prompt asked for A–D (here the prompt lists them, `data.prompts`).
+  prompt asked for A–D (here the prompt lists them, `data.py`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ import re
 import unicodedata
 from typing import Any
 
-from megatron_rl.rewards.mcq import extract_answer, gold_sets
-from megatron_rl.rewards.registry import register_reward, tail
+from ...rewards.registry import register_reward, tail
+from ..mcq.answer import extract_answer, gold_sets
 
 CORRECT_REWARD = 1.0
 FORMATTED_WRONG_REWARD = 0.1

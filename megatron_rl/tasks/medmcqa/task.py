@@ -1,6 +1,6 @@
 """MedMCQA (English medical MCQ, options a–d): strict answer-statement parsing.
 
-The reward gives a small credit to a formatted wrong answer (`rewards.medmcqa`); the scorer counts
+The reward gives a small credit to a formatted wrong answer (`rewards.py`); the scorer counts
 only correct answers.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..rewards.mcq import format_answer, gold_sets
-from ..rewards.medmcqa import extract_medmcqa_answer
-from .task import Task
+from ..mcq.answer import format_answer, gold_sets
+from ..task import Task
+from .rewards import extract_medmcqa_answer
 
 
 def states_an_answer(response: str) -> bool:

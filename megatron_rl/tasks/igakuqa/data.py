@@ -10,7 +10,7 @@ and E are the required (必修) blocks — their point totals are exactly the of
 Answers are normalised (`normalize_answer_token`); the one gold of the form "a or d" (112B30)
 becomes answer ["a"] with alternative ["d"]. Questions with `points == "0"` were excluded from
 official scoring and score no points; 116A71 is counted correct for any answer
-(`ALL_CORRECT_IDS`). Both rules are applied by `megatron_rl.eval.scoring`; they live here so
+(`ALL_CORRECT_IDS`). Both rules are applied by `megatron_rl.tasks.igakuqa.scoring`; they live here so
 the training-data preparation can leave these flawed questions out.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.data.schema import (
+from ...data.schema import (
     DataError,
     Location,
     ReadStats,

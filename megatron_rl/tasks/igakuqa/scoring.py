@@ -10,7 +10,7 @@ Two rules; `official` is the default and the report names the one used:
   rule the published baseline numbers were computed with.
 - `letter-set`: the lenient reading of the benchmark README ("the sorted set of predicted letters
   equals the sorted gold set"): the prediction is parsed into its set of letters with the reward's
-  parser (`rewards.mcq.parse_choice_set`), so "d, e", "E,D" and "ｄ、ｅ" all equal {"d", "e"}. On the
+  parser (`tasks.mcq.answer.parse_choice_set`), so "d, e", "E,D" and "ｄ、ｅ" all equal {"d", "e"}. On the
   published baselines it counts a few dozen spaced multi-answer predictions correct that the
   official script marks wrong.
 
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.data.igakuqa import ALL_CORRECT_IDS, IgakuQAQuestion
-from megatron_rl.data.schema import DataError, Location, read_jsonl, require
-from megatron_rl.rewards.mcq import extract_answer, parse_choice_set
+from ...data.schema import DataError, Location, read_jsonl, require
+from ..mcq.answer import extract_answer, parse_choice_set
+from .data import ALL_CORRECT_IDS, IgakuQAQuestion
 
 _PREDICTION_FILE = re.compile(r"(\d{3})-([A-Z])_(.+)\.jsonl")
 OFFICIAL = "official"

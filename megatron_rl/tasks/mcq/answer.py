@@ -1,11 +1,11 @@
 """Multiple-choice rewards and THE `[ans]…[/ans]` parser (evaluation reuses it; do not copy it).
 
-Answer format (what `megatron_rl.data.prompts` asks for): the response ends with
+Answer format (what `prompts.py` asks for): the response ends with
 `[ans]a[/ans]`, or `[ans]a,c[/ans]` for multi-answer questions, or `[ans]26[/ans]` for the few
 numeric IgakuQA questions.
 
 Parsing rules (`extract_answer`):
-- only the last `MAX_TAIL_CHARS` characters are looked at (see `registry.MAX_TAIL_CHARS`);
+- only the last `MAX_TAIL_CHARS` characters are looked at (see `rewards.registry.MAX_TAIL_CHARS`);
 - the tail is NFKC-normalised and lower-cased first, so full-width
   `［ａｎｓ］Ａ、Ｃ［／ａｎｓ］` and upper-case `[ANS]A[/ANS]` parse like `[ans]a,c[/ans]`;
 - the LAST complete `[ans]…[/ans]` pair wins (models often restate a draft answer first);
@@ -23,8 +23,8 @@ from __future__ import annotations
 import unicodedata
 from typing import Any
 
-from megatron_rl.data.schema import normalize_answer_token
-from megatron_rl.rewards.registry import register_reward, sample_field, tail
+from ...data.schema import normalize_answer_token
+from ...rewards.registry import register_reward, sample_field, tail
 
 OPEN_TAG = "[ans]"
 CLOSE_TAG = "[/ans]"

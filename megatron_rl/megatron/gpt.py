@@ -1,7 +1,9 @@
-"""Model providers: a Megatron-core GPTModel built from a Hugging Face `config.json`.
+"""The building blocks of a Megatron-core GPTModel made from a Hugging Face `config.json`.
 
-One provider per HF architecture (in its folder under `megatron_rl/models/`), chosen through a
-registry keyed by `architectures[0]`; this module holds what they share.
+Each model folder's provider (`megatron_rl/models/<arch>/provider.py`, chosen by the model
+registry `megatron_rl.models`) assembles its `ModelRecipe` from these: the TransformerConfig fields
+the Qwen3 family shares (`common_config`, `moe_config`, `recompute_config`), the GPT layer spec
+(`gpt_spec`) and `model_recipe`; `build_gpt_model` instantiates one pipeline stage.
 Transformer-Engine specs are used when TE is importable and CUDA is present; otherwise the local
 (pure-torch) spec, which runs on CPU once the entry point has called `cpu_compat.apply()`.
 """
@@ -9,7 +11,6 @@ Transformer-Engine specs are used when TE is importable and CUDA is present; oth
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.schema import ParallelismConfig
-from ..model_config import head_dim, moe_layers, num_experts, rope_theta, with_hf_defaults
+from ..model_config import head_dim, moe_layers, num_experts, rope_theta
 from . import cpu_compat
 
 cpu_compat.require_applied()
@@ -32,17 +33,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 def use_transformer_engine() -> bool:
     """TE specs need both the package and a GPU."""
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-ProviderFn = Callable[[dict[str, Any], ParallelismConfig, torch.dtype], "ModelRecipe"]
-PROVIDERS: dict[str, ProviderFn] = {}
-
-
-def provider(architecture: str) -> Callable[[ProviderFn], ProviderFn]:
-    def register(fn: ProviderFn) -> ProviderFn:
-        PROVIDERS[architecture] = fn
-        return fn
-    return register
 
 
 @dataclass
@@ -61,20 +51,9 @@ class ModelRecipe:
     """Fraction of each head's dims rotated by RoPE (partial RoPE)."""
 
 
-def architecture_of(hf: dict[str, Any]) -> str:
-    from ..models import MODELS, load_model  # the registry: imports the architecture's folder
-
-    archs = hf.get("architectures") or []
-    if not archs:
-        raise ValueError("the model config has no 'architectures' entry")
-    load_model(archs[0], "provider")
-    if archs[0] not in PROVIDERS:
-        raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(MODELS))}")
-    return archs[0]
-
-
-def _common_config(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """TransformerConfig fields shared by the Qwen3 family."""
+def common_config(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """TransformerConfig fields shared by the Qwen3 family; the recipe's own parallelism section is
+    the layout the model is built for."""
     return dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -133,7 +112,7 @@ def recompute_config(layout: ParallelismConfig) -> dict[str, Any]:
                 recompute_num_layers=layout.recompute_num_layers)
 
 
-def _moe_config(hf: dict[str, Any], layout: ParallelismConfig) -> dict[str, Any]:
+def moe_config(hf: dict[str, Any], layout: ParallelismConfig) -> dict[str, Any]:
     freq = [int(moe) for moe in moe_layers(hf)]
     return dict(
         num_moe_experts=num_experts(hf),
@@ -154,7 +133,8 @@ def _moe_config(hf: dict[str, Any], layout: ParallelismConfig) -> dict[str, Any]
     )
 
 
-def _local_or_te_spec(num_experts: int | None) -> Any:
+def gpt_spec(num_experts: int | None) -> Any:
+    """Megatron's GPT layer spec: with Transformer Engine on a GPU, else the local one."""
     if use_transformer_engine():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -164,7 +144,8 @@ def _local_or_te_spec(num_experts: int | None) -> Any:
                                     normalization="RMSNorm")
 
 
-def _recipe(hf: dict[str, Any], config: TransformerConfig, spec: Any) -> ModelRecipe:
+def model_recipe(hf: dict[str, Any], config: TransformerConfig, spec: Any) -> ModelRecipe:
+    """The recipe of `hf`'s model from its TransformerConfig and layer spec."""
     return ModelRecipe(
         config=config,
         layer_spec=spec,
@@ -173,12 +154,6 @@ def _recipe(hf: dict[str, Any], config: TransformerConfig, spec: Any) -> ModelRe
         rotary_base=rope_theta(hf),
         tie_word_embeddings=bool(hf["tie_word_embeddings"]),
     )
-
-
-def build_model_recipe(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
-    """The model of `hf` (its absent keys read with transformers' defaults) at `layout`."""
-    hf = with_hf_defaults(hf)
-    return PROVIDERS[architecture_of(hf)](hf, layout, dtype)
 
 
 def build_gpt_model(recipe: ModelRecipe, vp_stage: int | None = None) -> GPTModel:

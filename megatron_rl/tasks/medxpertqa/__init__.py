@@ -1,0 +1,1 @@
+"""MedXpertQA: evaluation prompts (`data.py`), scored by `megatron-rl eval mcq`."""
