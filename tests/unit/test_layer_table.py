@@ -24,6 +24,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("pure", ("megatron_rl.objectives", "megatron_rl.advantages", "megatron_rl.logprobs", "megatron_rl.rewards",
               "megatron_rl.data", "megatron_rl.nf4", "megatron_rl.schedule", "megatron_rl.topology")),
     ("tasks", ("megatron_rl.tasks",)),
+    # The cross-field rules read tasks and the topology, so they sit above them, not with the schema.
+    ("checks", ("megatron_rl.config.rules", "megatron_rl.config.check")),
     ("engines", ("megatron_rl.megatron", "megatron_rl.weights", "megatron_rl.rollout")),
     ("models", ("megatron_rl.models",)),
     ("programs", ("megatron_rl.convert", "megatron_rl.planner", "megatron_rl.sync", "megatron_rl.demo",
