@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..config.loader import to_dict
 from ..config.schema import RecipeConfig
 from ..console import Progress
+from ..sync.verify import Gate
 from ..tasks import LoadedTask, resolve_task
 from ..types import TrainBatch
 from . import sync_phase
@@ -31,7 +32,6 @@ from .session import Session
 from .setup import Prompts, export_hf, init_process_group, make_run_dir
 from .step_parts import probe_batch, step_metrics, timed
 from .update_phase import update, with_policy_logprobs
-from .verification import Gate
 
 
 def train(cfg: RecipeConfig, resume: bool = False) -> Path:

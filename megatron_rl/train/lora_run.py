@@ -12,11 +12,9 @@ import torch
 from ..config.schema import RecipeConfig
 from ..megatron.actor import Actor
 from ..megatron.checkpoint import COMPLETE
-from ..megatron.lora import adapters_disabled, merged_deltas
+from ..megatron.lora import adapters_disabled
 from ..types import TrainBatch
-from ..weights.adapters import WeightAdapter
-from ..weights.lora_sync import check_base, lora_record, sync_lora
-from ..weights.sync import SyncReport, Transport, sync_weights
+from ..weights.lora_base import check_base, lora_record
 
 
 class BaseReference:
@@ -34,21 +32,6 @@ class BaseReference:
 
 def uses_base_reference(cfg: RecipeConfig) -> bool:
     return cfg.lora.rank > 0 and cfg.model.reference == "init"
-
-
-def sync(actor: Actor, adapter: WeightAdapter, transport: Transport | None, version: int,
-         dtype: torch.dtype) -> SyncReport | None:
-    """Full sync, or with LoRA only the adapted tensors (merged). QLoRA's first sync sends every
-    tensor (the NF4 base dequantized, bucket by bucket): the server starts from the original base,
-    the trainer's policy is the base's NF4 image, and the log-prob check must compare the same model."""
-    if actor.lora is None:
-        return sync_weights(actor.model, adapter, transport, version, dtype)
-    if actor.quantization is not None and not actor.base_synced:
-        with merged_deltas(actor.model):
-            report = sync_weights(actor.model, adapter, transport, version, dtype)
-        actor.base_synced = True
-        return report
-    return sync_lora(actor.model, adapter, transport, version, dtype)
 
 
 def checkpoint_extra(cfg: RecipeConfig, init_path: str, hf_dir: str) -> dict[str, Any]:

@@ -24,11 +24,10 @@ from ..rollout.server import EXTERNAL_SERVERS_ENV, RolloutServer
 from ..rollout.shm import remove_stale_and_say
 from ..rollout.supervisor import ServerSupervisor
 from ..schedule import run_schedule
+from ..sync import Transport, make_transport
 from ..tasks import LoadedTask
 from ..weights.adapters import adapter_for
 from ..weights.loading import load_hf_into_model
-from ..weights.sync import Transport
-from ..weights.transport_engine import make_transport
 from . import lora_run
 from .data_order import DataOrder
 from .placement import start_node_servers

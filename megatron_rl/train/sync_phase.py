@@ -11,9 +11,10 @@ import torch.distributed as dist
 from ..megatron.devices import wait_for_rank0
 from ..rollout.client import RolloutClient, SamplingSettings
 from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
+from ..sync import SyncReport
+from ..sync import verify as verification
+from ..sync.lora import sync_actor
 from ..types import TrainBatch
-from ..weights.sync import SyncReport
-from . import lora_run, verification
 from .run_control import Stop
 
 
@@ -22,7 +23,7 @@ def push_weights(session: Any, version: int) -> SyncReport | None:
     # Rank 0 may have spent minutes starting the server or generating: wait for it on the CPU,
     # not inside the NCCL collectives of the gather.
     wait_for_rank0()
-    return lora_run.sync(session.actor, session.adapter, session.transport, version, session.dtype)
+    return sync_actor(session.actor, session.adapter, session.transport, version, session.dtype)
 
 
 def sync_metrics(report: SyncReport | None) -> dict[str, float]:

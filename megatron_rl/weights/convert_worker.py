@@ -41,7 +41,7 @@ from ..model_config import ModelConfigError, read_hf_config
 from .adapters import Entry, WeightAdapter, adapter_for
 from .convert import HF_TO_MCORE, ConversionError, ConvertJob, ConvertLayout, stats_payload, write_error
 from .hf_io import SIDE_FILES, CheckpointError, HFCheckpointReader
-from .lora_sync import load_recorded_base, lora_config
+from .lora_base import load_recorded_base, lora_config
 from .progress import ByteProgress
 from .sharding import LocalParam, gather_hf_layers, load_full_tensors, local_params
 from .stream_io import PlannedHFWriter, TensorInfo, checkpoint_tensor_infos, lossless_dtype
