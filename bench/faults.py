@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 SERVER_CALLS = {"/pause": "pause", "/init_weight_transfer_engine": "init", "/start_weight_update": "start",
                 "/update_weights": "update", "/finish_weight_update": "finish",
                 "/reset_prefix_cache": "reset", "/resume": "resume"}
-"""The weight sync's routes (weights/transport_engine.py `EngineLink`) → phase."""
+"""The weight sync's routes (sync/routes.py `EngineLink`) → phase."""
 RPCS = {"mrl_reseed": "reseed", "mrl_loaded": "loaded"}
 """`/collective_rpc` methods → phase (the workers' report of what they loaded ends each sync)."""
 PHASES = ("reseed", "generate", "verify", *SERVER_CALLS.values(), "loaded", "logprobs", "train", "sync_write",
@@ -84,9 +84,9 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     from megatron_rl.megatron.actor import Actor
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.server import RolloutServer
+    from megatron_rl.sync.shm import SegmentWriter
     from megatron_rl.train.fleet import RolloutFleet
     from megatron_rl.train.loop import train
-    from megatron_rl.weights.transport_file import FileTransport
 
     state: dict[str, Any] = {"step": 0, "server": None, "done": set(), "in_verify": False, "answered": 0}
 
@@ -162,12 +162,12 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         return train_step(self, *args, **kwargs)
     Actor.compute_logprobs, Actor.train_step = logprobs_and_kill, train_and_kill   # type: ignore[method-assign]
 
-    send = FileTransport.send_bucket            # SharedSegmentTransport's writes (shm backend)
+    send = SegmentWriter.send_bucket            # SharedSegmentTransport's writes (shm backend)
 
-    def send_and_kill(self: FileTransport, tensors: Any) -> None:
+    def send_and_kill(self: SegmentWriter, tensors: Any) -> None:
         inject("sync_write")
         send(self, tensors)
-    FileTransport.send_bucket = send_and_kill     # type: ignore[method-assign]
+    SegmentWriter.send_bucket = send_and_kill     # type: ignore[method-assign]
 
     save = checkpoint_mod.save_checkpoint
 

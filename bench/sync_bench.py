@@ -1,11 +1,10 @@
 """Benchmark a full weight sync (Megatron actor → rollout server) through the CPU shared-memory transport.
 
     .venv/bin/python bench/sync_bench.py [--dir /tmp/sync_bench] [--repeats 4] [--bucket-mb 512]
-                                         [--models tiny,large] [--transport engine|rpc] [--json-out FILE]
+                                         [--models tiny,large] [--moe-load in_place|layerwise] [--json-out FILE]
 
-`--transport engine` (default, what training runs use): the `mrl_shm` engine driven through vLLM's
-weight-transfer routes (start/update/finish); `rpc`: the older `/collective_rpc mrl_update` path.
-Both load through vLLM's layer-wise reload. The headline, printed to stderr and under `summary`:
+What training runs use: the `mrl_shm` engine driven through vLLM's weight-transfer routes
+(start/update/finish), loading through vLLM's layer-wise reload. The headline, printed to stderr and under `summary`:
 the steady sync time (median after the first), the warm memcpy of the same bytes measured right
 after each sync, and their ratio (memcpy_warm_s / sync_s; issue 17's target: ≥ 0.25).
 
@@ -14,7 +13,7 @@ Qwen3-MoE of ~491 MB built locally, exact size in the output):
 - One trainer process (world 1, gloo, `init_process_group()` + `init_parallel`), an `Actor` without
   optimizer loaded from the HF checkpoint, and a real rollout server (vLLM, fp32, eager) on
   127.0.0.1 started from the same checkpoint.
-- `sync_weights(...)` through one `FileTransport` is run `--repeats` times (version 1, 2, ...):
+- `sync_weights(...)` through one `SharedSegmentTransport` is run `--repeats` times (version 1, 2, ...):
   the first sync creates the shared-memory segments (and pays for their fresh pages on both
   sides), later ones rewrite them in place, as every sync of a training run after the first does.
   The first run and the median of the later ones are reported apart, with every run. The
@@ -22,11 +21,10 @@ Qwen3-MoE of ~491 MB built locally, exact size in the output):
     gather       gather + HF-name conversion on the trainer (total − begin − send − finish);
     write        the copy into the segments (send_bucket; the server is still serving then);
     pause        /pause (in finish, once everything is written);
-    reload       rpc mrl_update: the server maps the segments, runs vLLM's layer-wise reload
+    reload       /start_weight_update + /update_weights + /finish_weight_update + the workers'
+                 `mrl_loaded` report: the server maps the segments, runs vLLM's layer-wise reload
                  from views into them and re-packs the CPU MoE experts;
     reset/resume /reset_prefix_cache + /resume.
-  (engine: reload = /start_weight_update + /update_weights + /finish_weight_update + the workers'
-  `mrl_loaded` report.)
   trainer_s = gather + write; server_s = reload (+ the control round trips, listed apart).
   Also this process's CPU time and minor page faults per phase: on a shared 2-core machine a
   phase whose CPU time is far below its wall time was waiting for a core, and a phase with ~n/4096
@@ -75,13 +73,14 @@ from megatron_rl.megatron import cpu_compat  # noqa: E402
 cpu_compat.apply()   # before anything imports megatron-core
 from _report import emit  # noqa: E402  (bench/, the script's own directory)
 
+from megatron_rl.config.schema import RolloutConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, init_parallel, unwrap  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
+from megatron_rl.rollout.engines import MOE_LOAD, MOE_LOADS  # noqa: E402
+from megatron_rl.sync import sync_weights  # noqa: E402
+from megatron_rl.sync.shm import SharedSegmentTransport  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
-from megatron_rl.weights.sync import sync_weights  # noqa: E402
-from megatron_rl.weights.transport_engine import MOE_LOAD, SharedSegmentTransport  # noqa: E402
-from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
 
 # ~491 MB fp32 Qwen3-MoE (all dims multiples of 32, head_dim 64). Exact count, see hf_param_count:
 # per layer q 1024·1024 + k,v 2·256·1024 + o 1024·1024 + q/k-norm 2·64 + 2 layer norms 2·1024
@@ -134,7 +133,7 @@ class TimedTransport:
     """A transport with begin/send_bucket/finish/abort timed (wall, this process's CPU time, and
     its minor page faults, to tell page-fault and CPU-starvation costs on a shared machine apart)."""
 
-    def __init__(self, inner: FileTransport, times: dict[str, float]) -> None:
+    def __init__(self, inner: SharedSegmentTransport, times: dict[str, float]) -> None:
         self.inner, self.times = inner, times
 
     def _timed(self, key: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -171,7 +170,8 @@ def _median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
-def one_sync(actor: Any, adapter: Any, inner: FileTransport, times: dict[str, float], version: int) -> dict[str, Any]:
+def one_sync(actor: Any, adapter: Any, inner: SharedSegmentTransport, times: dict[str, float],
+             version: int) -> dict[str, Any]:
     times.clear()
     transport = TimedTransport(inner, times)
     before = _snapshot()
@@ -180,7 +180,7 @@ def one_sync(actor: Any, adapter: Any, inner: FileTransport, times: dict[str, fl
     assert report is not None
     write = times["send_bucket"]
     gather = wall - times["begin"] - times["send_bucket"] - times["finish"]     # begin: no server call
-    reload = times["rpc mrl_update"] + sum(times[f"post /{r}"] for r in ENGINE_ROUTES) + times["rpc mrl_loaded"]
+    reload = sum(times[f"post /{r}"] for r in ENGINE_ROUTES) + times["rpc mrl_loaded"]
     calls = ("begin", "send_bucket", "finish")
     return {
         "version": version, "bytes": report.bytes, "tensors": report.tensors, "parts": report.parts,
@@ -299,7 +299,7 @@ def summarize_baselines(rounds: list[dict[str, tuple[float, float, float, int]]]
 
 
 def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, bucket_bytes: int,
-                engine: bool = True, moe_load: str = MOE_LOAD) -> dict[str, Any]:
+                moe_load: str) -> dict[str, Any]:
     from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
 
     load_before = os.getloadavg()
@@ -328,8 +328,7 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
         dest = [torch.empty_like(p).copy_(p) for p in params]
         times: dict[str, float] = defaultdict(float)
         endpoint = TimedEndpoint(server, times)
-        inner = SharedSegmentTransport([endpoint], segment_bytes=bucket_bytes, moe_load=moe_load) if engine \
-            else FileTransport(endpoint, segment_bytes=bucket_bytes)
+        inner = SharedSegmentTransport([endpoint], segment_bytes=bucket_bytes, moe_load=moe_load)
         try:
             for v in range(1, repeats + 1):
                 runs.append(one_sync(actor, adapter, inner, times, v))
@@ -355,12 +354,12 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
     summary = {"steady_sync_s": median["total_s"], "memcpy_warm_s": warm_s,
                "ratio_memcpy_warm_over_sync": warm_s / median["total_s"],
                "ratio_paired_median": paired["ratio_vs_memcpy_warm"], "target": 0.25}
-    print(f"[sync_bench] {name} ({nbytes / 1e6:.0f} MB, {'engine, moe ' + moe_load if engine else 'rpc'}): steady sync "
+    print(f"[sync_bench] {name} ({nbytes / 1e6:.0f} MB, engine, moe {moe_load}): steady sync "
           f"{summary['steady_sync_s']:.3f} s, warm memcpy {warm_s:.3f} s, ratio {summary['ratio_paired_median']:.3f} "
           f"(paired median; of medians {summary['ratio_memcpy_warm_over_sync']:.3f}); target >= 0.25",
           file=sys.stderr, flush=True)
     result = {
-        "summary": summary, "transport": "engine" if engine else "rpc", "moe_load": moe_load,
+        "summary": summary, "transport": "engine", "moe_load": moe_load,
         "model": {"fields": fields, "dir": str(model_dir), "parameters": sum(p.numel() for p in params),
                   "expected_parameters": hf_param_count(fields), "bytes": base["bytes"],
                   "mb": base["bytes"] / 1e6, "dtype": "float32", "build_or_reuse_s": build_s},
@@ -387,10 +386,10 @@ def main() -> None:
                     help="checkpoints and server run dirs (checkpoints are reused when unchanged)")
     ap.add_argument("--models", default="tiny,large", help="comma list of: tiny, large")
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--bucket-mb", type=int, default=512, help="MiB per segment (RolloutConfig.sync_bucket_mb default)")
-    ap.add_argument("--transport", choices=("engine", "rpc"), default="engine")
-    ap.add_argument("--moe-load", choices=("layerwise", "in_place"), default=MOE_LOAD,
-                    help="engine only: how the server loads the MoE experts (rollout/weight_engine.py)")
+    ap.add_argument("--bucket-mb", type=int, default=RolloutConfig().sync_bucket_mb,
+                    help="MiB per segment (rollout.sync_bucket_mb)")
+    ap.add_argument("--moe-load", choices=MOE_LOADS, default=MOE_LOAD,
+                    help="how the server loads the MoE experts (rollout/engines/shm.py)")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
     # SIGTERM → SystemExit, so the finally blocks stop the servers.
@@ -410,7 +409,7 @@ def main() -> None:
     try:
         for name in args.models.split(","):
             out["models"][name] = bench_model(name, specs[name], args.dir, args.repeats, args.bucket_mb << 20,
-                                              args.transport == "engine", args.moe_load)
+                                              args.moe_load)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -236,7 +236,7 @@ def _placement(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
 @rule("weight-transfer")
 def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
-    """What NCCL and CUDA IPC refuse at the first sync, refused here (`weights/transport_gpu.py`)."""
+    """What NCCL and CUDA IPC refuse at the first sync, refused here (`sync/gpu.py`)."""
     r, nodes = cfg.rollout, cfg.parallelism.nodes
     if r.weight_transfer == "ipc" and r.placement != "colocated":
         return [Finding("error", "weight-transfer", "rollout.weight_transfer",
@@ -289,7 +289,7 @@ def _sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 @rule("lora-sleep")
 def _lora_sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     # Level 2 drops the server's weights; a LoRA sync after the wake sends only the adapted tensors
-    # (`train/lora_run.sync`), so every other tensor of the server would be whatever memory it got back.
+    # (`sync/lora.py::sync_actor`), so every other tensor of the server would be whatever memory it got back.
     if cfg.lora.rank > 0 and cfg.rollout.sleep_level == 2:
         return [Finding("error", "lora-sleep", "rollout.sleep_level",
                         "2 drops the servers' weights, and a LoRA/QLoRA sync refills only the adapted tensors: "

@@ -39,7 +39,7 @@ from ..megatron.lora import merged_deltas
 from ..model_config import ModelConfigError, read_hf_config
 from ..models import build_model, weight_map
 from ..weights.hf_io import SIDE_FILES, CheckpointError, HFCheckpointReader
-from ..weights.lora_sync import load_recorded_base, lora_config
+from ..weights.lora_base import load_recorded_base, lora_config
 from ..weights.map import Entry, WeightAdapter
 from ..weights.progress import ByteProgress
 from ..weights.sharding import LocalParam, gather_hf_layers, load_full_tensors, local_params

@@ -1,1 +1,2 @@
-"""The rollout side: vLLM server launcher, its worker extension, and the async client."""
+"""The rollout side: vLLM server launcher, its worker extension and weight-transfer engines (`engines/`),
+and the async client."""

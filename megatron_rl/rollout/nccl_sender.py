@@ -1,5 +1,5 @@
 """The trainer's end of vLLM's `nccl` weight-transfer engine (vLLM's own helpers; used by
-weights/transport_gpu.py, which keeps vLLM imports in rollout/)."""
+sync/gpu.py, which keeps vLLM imports in rollout/)."""
 
 from __future__ import annotations
 

@@ -25,15 +25,12 @@ import torch
 
 from ..config.schema import RolloutConfig
 from .affinity import CPUS_ENV, format_cpu_list, online_cpus
+from .engines import ENGINES
 from .shm import SHM, stale_vllm_segments
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 """Set by the sbatch script (and the tests' shared server): a folder of `<host>/rollout/server.json`
 of servers already running, which the trainer attaches to instead of starting its own."""
-
-WEIGHT_TRANSFER_BACKENDS = {"shm": "mrl_shm", "nccl": "mrl_nccl", "ipc": "mrl_ipc"}
-"""`rollout.weight_transfer` → the vLLM engine (registered by rollout/worker_ext.py; `mrl_nccl` and
-`mrl_ipc` are vLLM's nccl and ipc engines that also count what each worker loaded)."""
 
 
 class ServerError(RuntimeError):
@@ -129,8 +126,9 @@ class RolloutServer:
                 # Token ids in and out: detokenizing every generated token cost ~13% of the
                 # tokens/s here (bench/rollout_client_bench.py); EOS comes with each request.
                 "--skip-tokenizer-init",
-                # Weight syncs go through vLLM's weight-transfer routes (weights/transport_engine.py).
-                "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKENDS[c.weight_transfer]})]
+                # Weight syncs go through vLLM's weight-transfer routes (sync/routes.py) into our
+                # engines (rollout/engines/, registered by the worker extension).
+                "--weight-transfer-config", json.dumps({"backend": ENGINES[c.weight_transfer].name})]
         if c.enforce_eager:
             args.append("--enforce-eager")
         if c.enable_expert_parallel:

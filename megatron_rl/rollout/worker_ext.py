@@ -1,44 +1,22 @@
-"""vLLM worker extension (`--worker-extension-cls`): receive weights from the trainer.
+"""vLLM worker extension (`--worker-extension-cls`): report what the weight-transfer engines loaded.
 
-Methods are called through the server's `/collective_rpc` with string arguments only. The CPU
-transport (`weights/transport_file.py`) hands over a manifest of tensors in segment files; the
-worker maps the files (keeping a mapping while its file stays the same, so an in-place update costs
-no new pages here either), reloads through vLLM's layer-wise reload from views into the mapping,
-and then re-runs the CPU MoE expert repacking, which vLLM 0.32 skips on a weight update (the
-weights would silently stay in the old packed layout).
-
-Importing this module (vLLM does, in every worker, before the model loads) also registers the
-`mrl_shm` weight-transfer engine (`weight_engine.py`), the same manifest driven through vLLM's
-weight-transfer routes.
+Weights reach the workers through vLLM's weight-transfer routes and the engines of
+`rollout/engines/`, which importing this module (vLLM does, in every worker, before the model
+loads) registers with vLLM's factory. The methods here, called through the server's
+`/collective_rpc` with string arguments only, report what the engines loaded (`engines.loaded.LOADED`),
+commit the version of a GPU-engine update, and re-seed and record routes for the trainer.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import mmap
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-SHM_BACKEND = "mrl_shm"
-LOADED: dict[str, Any] = {"version": 0}
-"""What this worker process last loaded (one worker per process), by either path."""
+from . import engines
+from .engines.loaded import LOADED
 
-
-def _register_engine() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    for name, module, cls in ((SHM_BACKEND, "weight_engine", "ShmWeightTransferEngine"),
-                              ("mrl_nccl", "weight_engine_gpu", "CountingNcclEngine"),
-                              ("mrl_ipc", "weight_engine_gpu", "CountingIpcEngine")):
-        if name not in WeightTransferEngineFactory._registry:      # imported twice in one process
-            WeightTransferEngineFactory.register_engine(name, f"megatron_rl.rollout.{module}", cls)
-
-
-_register_engine()
+engines.register()
 
 
 class WorkerExtension:
@@ -46,19 +24,7 @@ class WorkerExtension:
 
     # Provided by the vLLM worker this class is mixed into (declared for the type checker only).
     model_runner: Any
-    reload_weights: Any
     device: torch.device
-
-    def mrl_update(self, version: str, manifest: str) -> dict[str, Any]:
-        """Load every tensor the manifest lists; returns what was loaded."""
-        spec = json.loads(manifest)
-        segments = self._mrl_map_segments(spec["segments"])
-        # The worker's own reload_weights, not the model runner's: it enters vLLM's config
-        # context, which some GPU MoE paths assert (get_current_vllm_config).
-        self.reload_weights(weights_iterator=_views(spec["tensors"], segments), is_checkpoint_format=True)
-        repacked = _repack_cpu_moe(self.model_runner.get_model(), [t[0] for t in spec["tensors"]])
-        LOADED.update(version=int(version), tensors=len(spec["tensors"]), moe_layers_repacked=repacked)
-        return dict(LOADED)
 
     def mrl_weight_version(self) -> int:
         return -1 if LOADED["version"] is None else int(LOADED["version"])   # -1: finished, not committed
@@ -105,58 +71,3 @@ class WorkerExtension:
         from .routes import encode_routes
 
         return encode_routes(self.__dict__["_mrl_routes"].take())
-
-    def _mrl_map_segments(self, segments: list[list[Any]]) -> list[torch.Tensor]:
-        """Each (path, size) as a uint8 tensor over a shared mapping; mappings of files not in this
-        manifest are dropped (a new directory per update on shared file systems)."""
-        cache: dict[tuple[str, int, int], tuple[mmap.mmap, torch.Tensor]] = self.__dict__.setdefault("_mrl_maps", {})
-        keys = []
-        for path, size in segments:
-            key = (path, os.stat(path).st_ino, int(size))
-            if key not in cache:
-                with open(path, "r+b") as f:
-                    mapped = mmap.mmap(f.fileno(), int(size))
-                cache[key] = (mapped, torch.frombuffer(mapped, dtype=torch.uint8))
-            keys.append(key)
-        for key in set(cache) - set(keys):
-            del cache[key]      # unmapped once vLLM holds no view into it either
-        return [cache[k][1] for k in keys]
-
-
-def _views(tensors: list[list[Any]], segments: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, dtype, shape, segment, offset in tensors:
-        dt = getattr(torch, dtype)
-        n = math.prod(shape) * dt.itemsize
-        yield name, segments[segment][offset:offset + n].view(dt).view(shape)
-
-
-def _repack_cpu_moe(model: torch.nn.Module, names: list[str]) -> int:
-    """Re-run the CPU grouped-GEMM repacking of every fused-MoE layer whose weights landed. A layer
-    the update left out (LoRA syncs only attention) keeps its packed tensors: packing them again
-    would scramble them."""
-    if torch.cuda.is_available():
-        return 0
-    landed = {n[:i] for n in names for i, c in enumerate(n) if c == "."}    # every module prefix
-    count = 0
-    for prefix, module in model.named_modules():
-        if not _experts_landed(prefix, landed):
-            continue
-        method = getattr(module, "quant_method", None)
-        kernel = getattr(method, "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and hasattr(experts, "process_weights_after_loading"):
-            experts.process_weights_after_loading(module)
-            count += 1
-    return count
-
-
-def _experts_landed(prefix: str, landed: set[str]) -> bool:
-    """Whether the update held weights of the MoE block that module `prefix` belongs to: its
-    nearest `…experts` ancestor (vLLM nests the packed module, e.g. `mlp.experts.routed_experts`,
-    under the checkpoint's `mlp.experts.<i>.*` names). Without one, assume it did (repack, as a
-    full update must)."""
-    parts = prefix.split(".")
-    for i in range(len(parts), 0, -1):
-        if parts[i - 1] == "experts":
-            return ".".join(parts[:i]) in landed
-    return True

@@ -41,11 +41,11 @@ from ..rollout.routes import attach_routes
 from ..rollout.server import EXTERNAL_SERVERS_ENV, RolloutServer, ServerError
 from ..rollout.shm import remove_stale_and_say
 from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
+from ..sync import SyncReport, Transport, make_transport
+from ..sync import verify as verification
+from ..sync.lora import sync_actor
 from ..tasks import LoadedTask
 from ..types import RolloutGroup, TrainBatch
-from ..weights.sync import SyncReport, Transport
-from ..weights.transport_engine import make_transport
-from . import lora_run, verification
 from .batch import Scores, score_groups
 from .data import Prompts
 from .policy import Policy
@@ -176,7 +176,7 @@ class RolloutFleet:
         # Rank 0 may have spent minutes starting the server or generating: wait for it on the CPU,
         # not inside the NCCL collectives of the gather.
         wait_for_rank0()
-        return lora_run.sync(policy.actor, policy.adapter, self.transport, version, policy.dtype)
+        return sync_actor(policy.actor, policy.adapter, self.transport, version, policy.dtype)
 
     def calibrate(self, policy: Policy, forced: TrainBatch, version: int, seq_len: int,
                   pad: int) -> tuple[TrainBatch, verification.Gate, dict[str, float]]:

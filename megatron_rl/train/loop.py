@@ -17,6 +17,7 @@ import torch
 from ..config.schema import RecipeConfig
 from ..console import Progress
 from ..schedule import run_schedule
+from ..sync.verify import Gate
 from ..tasks import LoadedTask, resolve_task
 from ..types import TrainBatch
 from .batch import ScoredRollout, build_batch, kl_penalty, probe, score_groups, with_advantages
@@ -25,7 +26,6 @@ from .fleet import RolloutFleet, sync_metrics
 from .metrics import console_line, open_metrics_log, startup_summary, step_metrics, timed
 from .policy import Policy, starting_checkpoint
 from .run import RunDir, Stop, StopSignals, agree_on_stop, init_process_group
-from .verification import Gate
 
 
 def train(cfg: RecipeConfig, resume: bool = False) -> Path:

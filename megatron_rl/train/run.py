@@ -163,7 +163,7 @@ class RunDir:
 
 def lora_extra(cfg: RecipeConfig, init_path: str, hf_dir: str) -> dict[str, Any]:
     """`extra` entries of a LoRA checkpoint ({} without LoRA)."""
-    from ..weights.lora_sync import lora_record
+    from ..weights.lora_base import lora_record
 
     lo = cfg.lora
     return lora_record(lo.rank, lo.alpha, list(lo.targets), init_path, hf_dir) if lo.rank > 0 else {}
@@ -172,7 +172,7 @@ def lora_extra(cfg: RecipeConfig, init_path: str, hf_dir: str) -> dict[str, Any]
 def check_lora_resume(cfg: RecipeConfig, checkpoint: Path, init_path: str) -> None:
     """A LoRA checkpoint resumes only onto its own base and adapter shape (checked before loading)."""
     from ..megatron.checkpoint import COMPLETE
-    from ..weights.lora_sync import check_base
+    from ..weights.lora_base import check_base
 
     where = str(checkpoint)
     rec = json.loads((checkpoint / COMPLETE).read_text()).get("extra", {}).get("lora")

@@ -1,5 +1,5 @@
 """vLLM's GPU weight-transfer engines driven by the trainer's transports (`rollout.weight_transfer`
-nccl and ipc; weights/transport_gpu.py): new weights sent from `cuda:0` reach a real vLLM server on
+nccl and ipc; sync/gpu.py): new weights sent from `cuda:0` reach a real vLLM server on
 the GPU, and its log-probs then equal transformers' float64 log-probs of those weights (fp32 on
 both sides; TE's fp32 GEMMs use TF32, which the tiny model keeps inside 2e-3). `nccl` needs a
 second GPU (NCCL refuses two ranks on one device; one GPU skips it): the server runs on GPU 1.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.sync import make_transport
 from megatron_rl.weights.hf_io import HFCheckpointReader
-from megatron_rl.weights.transport_engine import make_transport
 from tests.helpers.models import TINY_MOE
 from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
 

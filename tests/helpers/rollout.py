@@ -15,8 +15,8 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.demo.prepare import TOKENIZER_FILES, prepare_demo_assets
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.server import RolloutServer
+from megatron_rl.sync.shm import SharedSegmentTransport
 from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
-from megatron_rl.weights.transport_file import FileTransport
 from tests.helpers.models import TINY_MOE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def _server_diff(server: RolloutServer, expected: list[torch.Tensor], sequences:
     return max((torch.tensor(g, dtype=torch.float64) - ref).abs().max().item() for g, ref in zip(got, expected))
 
 
-def _send(transport: FileTransport, version: int, state: dict[str, torch.Tensor]) -> dict:
+def _send(transport: SharedSegmentTransport, version: int, state: dict[str, torch.Tensor]) -> dict:
     transport.begin(version)
     names = sorted(state)
     for start in range(0, len(names), 7):             # a few tensors per hand-over, like layers

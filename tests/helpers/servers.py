@@ -44,8 +44,8 @@ def demo_weights_server(demo_server: RolloutServer, tmp_path: Path) -> RolloutSe
     (version,) = {int(v) for v in demo_server.rpc("mrl_weight_version")}
     if version == 0 or version in _restored:           # never synced, or last synced back here
         return demo_server
+    from megatron_rl.sync.shm import SharedSegmentTransport
     from megatron_rl.weights.hf_io import HFCheckpointReader
-    from megatron_rl.weights.transport_engine import SharedSegmentTransport
 
     reader = HFCheckpointReader(demo_assets()["model"])
     transport = SharedSegmentTransport([demo_server], tmp_path / "restore", segment_bytes=16 << 20)

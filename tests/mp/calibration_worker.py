@@ -28,14 +28,14 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
-from megatron_rl.train import verification  # noqa: E402
+from megatron_rl.sync import sync_weights  # noqa: E402
+from megatron_rl.sync import verify as verification  # noqa: E402
+from megatron_rl.sync.shm import SharedSegmentTransport  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
-from megatron_rl.weights.sync import sync_weights  # noqa: E402
-from megatron_rl.weights.transport_engine import SharedSegmentTransport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
-from verify_worker import SwapRowsTransport, probe, stats_of  # noqa: E402
+from verify_worker import SEGMENT_BYTES, SwapRowsTransport, probe, stats_of  # noqa: E402
 
 
 def sampled(client: RolloutClient | None, vocab: int) -> object:
@@ -82,8 +82,8 @@ def main() -> None:
     result["floor"], result["limits"] = floor, [gate.limits.mean, gate.limits.p90]
     result["startup_failure"] = verification.failure(torch.tensor(floor),
                                                      verification.startup_limits(dtype, None))
-    good = SharedSegmentTransport([handle]) if handle else None
-    bad = SwapRowsTransport([handle]) if handle else None
+    good = SharedSegmentTransport([handle], segment_bytes=SEGMENT_BYTES) if handle else None
+    bad = SwapRowsTransport([handle], segment_bytes=SEGMENT_BYTES) if handle else None
     version = 1
     sync_weights(actor.model, adapter, good, version, dtype)
     result["synced"] = stats_of(actor, client, batch)

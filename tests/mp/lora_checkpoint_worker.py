@@ -29,7 +29,7 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
-from megatron_rl.weights.lora_sync import lora_record  # noqa: E402
+from megatron_rl.weights.lora_base import lora_record  # noqa: E402
 from megatron_rl.weights.sharding import gather_hf_layers  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.lora_layouts_worker import ALGO, LORA, LORA_EXPERTS  # noqa: E402

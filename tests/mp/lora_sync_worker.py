@@ -26,10 +26,10 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
+from megatron_rl.sync.lora import sync_lora  # noqa: E402
+from megatron_rl.sync.shm import SharedSegmentTransport  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
-from megatron_rl.weights.lora_sync import sync_lora  # noqa: E402
-from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.lora_layouts_worker import ALGO, LORA, LORA_EXPERTS  # noqa: E402
@@ -54,7 +54,7 @@ def main() -> None:
             handle = RolloutServer(hf_dir, Path("/tmp"), RolloutConfig(host=host.split("//")[1]), 64,
                                    token=Path(token_file).read_text(), port=int(port))
             client = RolloutClient(url, handle.token, "policy", RolloutConfig(), stop_token_ids=[])   # log-probs only
-            transport = FileTransport(handle, segment_bytes=1 << 16)
+            transport = SharedSegmentTransport([handle], segment_bytes=1 << 16)
         actor = Actor(build_model(hf, LAYOUTS[name], torch.float32), 2,
                       Training(TrainerConfig(lr=3e-2), LAYOUTS[name], total_updates=10), lora=lora)
         load_hf_into_model(actor.model, hf_dir, adapter)

@@ -28,10 +28,10 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
+from megatron_rl.sync import sync_weights  # noqa: E402
+from megatron_rl.sync.shm import SharedSegmentTransport  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
-from megatron_rl.weights.sync import sync_weights  # noqa: E402
-from megatron_rl.weights.transport_file import FileTransport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
@@ -39,7 +39,7 @@ from layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 
-class CorruptingTransport(FileTransport):
+class CorruptingTransport(SharedSegmentTransport):
     """Adds noise to one tensor on its way to the server: the verification must notice."""
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -89,11 +89,11 @@ def main() -> None:
         entry = {}
         # One transport for both good syncs: the second rewrites the first one's segments in place
         # (64 KiB segments: really split). A fresh one for the corrupted sync.
-        good = FileTransport(handle, segment_bytes=1 << 16) if rank0 else None
+        good = SharedSegmentTransport([handle], segment_bytes=1 << 16) if rank0 else None
         for attempt in ("first", "second", "corrupted"):
             actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)   # the server is now stale
             entry[f"{attempt}_before_sync"] = server_diff(actor, client, probe)
-            transport = (CorruptingTransport(handle, segment_bytes=1 << 16) if attempt == "corrupted" else good) \
+            transport = (CorruptingTransport([handle], segment_bytes=1 << 16) if attempt == "corrupted" else good) \
                 if rank0 else None
             version += 1
             report = sync_weights(actor.model, adapter, transport, version, torch.float32)

@@ -26,11 +26,11 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
-from megatron_rl.train import verification  # noqa: E402
+from megatron_rl.sync import sync_weights  # noqa: E402
+from megatron_rl.sync import verify as verification  # noqa: E402
+from megatron_rl.sync.shm import SharedSegmentTransport  # noqa: E402
 from megatron_rl.types import TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
-from megatron_rl.weights.sync import sync_weights  # noqa: E402
-from megatron_rl.weights.transport_engine import SharedSegmentTransport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
@@ -38,6 +38,8 @@ from layouts_worker import LAYOUTS, make_batch  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SEGMENT_BYTES = RolloutConfig().sync_bucket_mb << 20
+"""What a training run passes the transport (`rollout.sync_bucket_mb`, the schema's default)."""
 
 
 class SwapRowsTransport(SharedSegmentTransport):
@@ -111,8 +113,8 @@ def main() -> None:
     actor.optimizer.reload_model_params()
     adapter, batch = weight_map(hf), probe(hf["vocab_size"])
     # Through vLLM's weight-transfer routes (the `mrl_shm` engine), as a training run syncs.
-    good = SharedSegmentTransport([handle]) if handle else None
-    bad = SwapRowsTransport([handle]) if handle else None
+    good = SharedSegmentTransport([handle], segment_bytes=SEGMENT_BYTES) if handle else None
+    bad = SwapRowsTransport([handle], segment_bytes=SEGMENT_BYTES) if handle else None
     if bad:
         bad.corrupt = corrupt
     result: dict = {"stats": list(verification.STATS)}

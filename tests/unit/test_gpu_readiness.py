@@ -17,7 +17,7 @@ import torch
 
 # ---------------------------------------------------------------------------- pure logic
 def test_one_result_per_vllm_worker_must_agree() -> None:
-    from megatron_rl.weights.transport_file import one_result
+    from megatron_rl.sync.routes import one_result
 
     same = {"version": 3, "tensors": 33, "moe_layers_repacked": 2}
     assert one_result([same, dict(same)]) == {**same, "workers": 2}        # TP 2: two answers
@@ -50,7 +50,7 @@ def test_server_environment_drops_torchrun_variables_and_ignores_generation_conf
         assert "VLLM_CPU_OMP_THREADS_BIND" not in env                       # TP 1: vLLM's default
 
 def test_verification_statistics_and_dtype_bounds() -> None:
-    from megatron_rl.train import verification as v
+    from megatron_rl.sync import verify as v
 
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(2000, generator=g, dtype=torch.float64) * 1e-6
@@ -187,7 +187,7 @@ def test_train_batch_to_moves_every_tensor() -> None:
 
 def test_calibrated_gate_sits_above_the_noise_floor_never_below_the_dtype_bounds() -> None:
     """Issue 30 item 3 (the server test: tests/integration/test_verification_calibration.py)."""
-    from megatron_rl.train import verification as v
+    from megatron_rl.sync import verify as v
 
     floor = torch.tensor([0.042, 0.096, 0.22, 0.45], dtype=torch.float64)     # bf16 at |z| ≈ 25 (measured)
     gate = v.calibrate(floor, torch.bfloat16, None)
@@ -207,7 +207,7 @@ def test_calibrated_gate_sits_above_the_noise_floor_never_below_the_dtype_bounds
 
 
 def test_sampled_probe_verifies_the_sampled_tokens_only() -> None:
-    from megatron_rl.train import verification as v
+    from megatron_rl.sync import verify as v
 
     prompts, responses = [[5, 6, 7], [8, 9]], [list(range(10, 22)), list(range(30, 40))]
     probe = v.sampled_probe(prompts, responses, seq_len=16, pad=0)

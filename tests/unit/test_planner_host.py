@@ -1,6 +1,6 @@
 """Host memory and the GPU terms outside the model state (`planner/host.py`), measured on CPU where
 the code can be measured: the rollout batch a rank holds (a real `build_batch`), the samples'
-Python objects (tracemalloc), the `shm` transport's segments (a real `FileTransport` writing a
+Python objects (tracemalloc), the `shm` transport's segments (a real `SharedSegmentTransport` writing a
 model's weights); the rest by hand from the formula the module cites."""
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ class _NoServer:
 
 
 def test_shm_segments_hold_one_copy_of_the_weights(tmp_path: Path) -> None:
-    from megatron_rl.weights.transport_file import FileTransport
+    from megatron_rl.sync.shm import SharedSegmentTransport
 
     params = count_params(HF)
-    transport = FileTransport(_NoServer(), root=tmp_path, segment_bytes=1 << 20)
+    transport = SharedSegmentTransport([_NoServer()], root=tmp_path, segment_bytes=1 << 20)
     transport.begin(1)
     for block in params.blocks():
         if block.params:

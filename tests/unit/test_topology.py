@@ -5,13 +5,14 @@ the `nccl` weight-transfer group on which GPU, which GPUs each data-parallel eng
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from megatron_rl.config import load_recipe
 from megatron_rl.slurm.render import total_nodes
+from megatron_rl.sync.gpu import master_address
 from megatron_rl.topology import duplicate_gpus, engine_devices, ipc_devices, nccl_weight_group, server_nodes
-from megatron_rl.weights.transport_gpu import master_address
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION = sorted(p for p in (REPO / "recipes").glob("qwen3_*/*.yaml") if p.name != "base.yaml")
@@ -69,34 +70,53 @@ def test_rendezvous_address_is_routed_not_the_hostname() -> None:
     assert master_address(["localhost", "127.0.0.2"]) == "127.0.0.1"
 
 
-def test_nccl_parts_are_coalesced_into_buckets() -> None:
-    from megatron_rl.weights.transport_gpu import coalesce
-
-    mib = 1 << 20
-    assert coalesce([32 * mib] * 5, 64 * mib) == [[0, 1], [2, 3], [4]]
-    assert coalesce([600 * mib, 10, 10], 512 * mib) == [[0], [1, 2]]        # a large part goes alone
-    assert coalesce([], 512 * mib) == []
-    # An 80B sync: ~160 GB in ~32 MiB gather parts → ~5,000 rounds, 512 MiB buckets → ~300.
-    parts = [32 * mib] * 5000
-    assert len(coalesce(parts, 512 * mib)) == -(-5000 * 32 // 512) == 313
-
-
-def test_gpu_transport_holds_parts_until_a_bucket_is_full() -> None:
-    """The buffering of `_GpuTransport` (the send itself needs CUDA: recorded here)."""
+def _recording_transport(bucket_bytes: int) -> Any:
+    """A `_GpuTransport` whose sends are recorded (the send itself needs CUDA): its real buffering."""
     import torch
 
-    from megatron_rl.weights.transport_gpu import _GpuTransport
+    from megatron_rl.sync.gpu import _GpuTransport
 
     class Recording(_GpuTransport):
         def __init__(self) -> None:
-            super().__init__([], torch.device("cuda", 0), bucket_bytes=1000)
+            super().__init__([], torch.device("cuda", 0), bucket_bytes=bucket_bytes)
             self.buckets: list[list[str]] = []
 
         def _send(self, tensors: dict[str, torch.Tensor]) -> None:
             self.buckets.append(list(tensors))
             self.sent += list(tensors)
 
-    t = Recording()
+    return Recording()
+
+
+def _buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """The parts (by index) of each bucket the GPU transports send, when parts of `sizes` bytes are
+    handed over in order and the rest is flushed (as `finish` does). Meta tensors: no memory."""
+    import torch
+
+    t = _recording_transport(bucket_bytes)
+    for i, size in enumerate(sizes):
+        t.send_bucket({str(i): torch.empty(size, dtype=torch.uint8, device="meta")})
+    t.flush()
+    return [[int(n) for n in bucket] for bucket in t.buckets]
+
+
+def test_nccl_parts_are_coalesced_into_buckets() -> None:
+    """Each bucket is one /update_weights per server, one engine round and one device synchronise,
+    instead of one per ~32 MiB gather part (~5,000 round trips per 80B sync)."""
+    mib = 1 << 20
+    assert _buckets([32 * mib] * 5, 64 * mib) == [[0, 1], [2, 3], [4]]
+    assert _buckets([600 * mib, 10, 10], 512 * mib) == [[0], [1, 2]]        # a large part goes alone
+    assert _buckets([], 512 * mib) == []
+    # An 80B sync: ~160 GB in ~32 MiB gather parts → ~5,000 rounds, 512 MiB buckets → ~300.
+    parts = [32 * mib] * 5000
+    assert len(_buckets(parts, 512 * mib)) == -(-5000 * 32 // 512) == 313
+
+
+def test_gpu_transport_holds_parts_until_a_bucket_is_full() -> None:
+    """The buffering of `_GpuTransport` (the send itself needs CUDA: recorded here)."""
+    import torch
+
+    t = _recording_transport(1000)
     for i in range(5):
         t.send_bucket({f"w{i}": torch.zeros(100)})                            # 400 bytes each
     assert t.buckets == [["w0", "w1", "w2"]] and list(t.pending) == ["w3", "w4"]

@@ -1,6 +1,6 @@
 """GPU weight transports through vLLM's own engines: `nccl` (broadcast) and `ipc` (CUDA IPC).
 
-Both are driven by the same routes as the CPU backend (`transport_engine.EngineLink`), from global
+Both are driven by the same routes as the `shm` backend (`routes.EngineLink`), from global
 rank 0, which holds each part of a layer in full on its GPU after the gather (`sync_weights`).
 Every tensor is sent from `self.device`, the device given at construction (rank 0's own).
 
@@ -40,8 +40,7 @@ import torch
 from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, open_group
 from ..rollout.server import free_port
 from ..topology import ipc_devices
-from .transport_engine import EngineLink, EngineServer
-from .transport_file import one_result
+from .routes import EngineLink, EngineServer, one_result
 
 
 def _meta(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -109,23 +108,8 @@ class GpuLink(EngineLink):
         pass
 
 
-def coalesce(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive parts grouped into buckets of at least `bucket_bytes` (the last may be smaller):
-    each bucket is one /update_weights per server, one engine round and one device synchronise,
-    instead of one per ~32 MiB gather part (~5,000 round trips per 80B sync)."""
-    out: list[list[int]] = [[]]
-    filled = 0
-    for i, size in enumerate(sizes):
-        out[-1].append(i)
-        filled += size
-        if filled >= bucket_bytes:
-            out.append([])
-            filled = 0
-    return [b for b in out if b]
-
-
 class _GpuTransport:
-    def __init__(self, servers: Sequence[EngineServer], device: torch.device, bucket_bytes: int = 512 << 20) -> None:
+    def __init__(self, servers: Sequence[EngineServer], device: torch.device, *, bucket_bytes: int) -> None:
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"a GPU weight transport needs an explicit CUDA device, got {device}")
         self.device = device
@@ -134,7 +118,9 @@ class _GpuTransport:
         self.sent: list[str] = []
         self.bucket_bytes = bucket_bytes
         """Parts are held (on the GPU) until this many bytes are pending, then sent as one bucket
-        (`coalesce`; rollout.sync_bucket_mb)."""
+        (rollout.sync_bucket_mb): each bucket is one /update_weights per server, one engine round
+        and one device synchronise, instead of one per ~32 MiB gather part (~5,000 round trips per
+        80B sync). Holding the references is safe: see `sync.Transport`."""
         self.pending: dict[str, torch.Tensor] = {}
         self.connected_at: list[int] | None = None
         """Each server's restart count when the engines were initialised."""
@@ -195,9 +181,9 @@ class _GpuTransport:
 class NcclTransport(_GpuTransport):
     """vLLM's `nccl` engine: one broadcast from rank 0's GPU reaches every worker of every server."""
 
-    def __init__(self, servers: Sequence[EngineServer], device: torch.device, packed: bool = True,
-                 master_address: str | None = None, bucket_bytes: int = 512 << 20) -> None:
-        super().__init__(servers, device, bucket_bytes)
+    def __init__(self, servers: Sequence[EngineServer], device: torch.device, *, bucket_bytes: int,
+                 packed: bool = True, master_address: str | None = None) -> None:
+        super().__init__(servers, device, bucket_bytes=bucket_bytes)
         self.packed = packed
         self.master_address = master_address
         self.comm: Any = None
@@ -231,8 +217,8 @@ class NcclTransport(_GpuTransport):
 class IpcTransport(_GpuTransport):
     """vLLM's `ipc` engine: workers map rank 0's tensors (copied to their GPUs) by CUDA IPC handle."""
 
-    def __init__(self, servers: Sequence[EngineServer], device: torch.device, bucket_bytes: int = 512 << 20) -> None:
-        super().__init__(servers, device, bucket_bytes)
+    def __init__(self, servers: Sequence[EngineServer], device: torch.device, *, bucket_bytes: int) -> None:
+        super().__init__(servers, device, bucket_bytes=bucket_bytes)
         self.targets: dict[str, torch.device] = {}
         """GPU UUID → this process's device, for every GPU a worker uses."""
 

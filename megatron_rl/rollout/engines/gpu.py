@@ -1,7 +1,7 @@
 """vLLM's `nccl` and `ipc` weight-transfer engines, counting what each worker loads.
 
-Registered (from `worker_ext`) as `mrl_nccl` and `mrl_ipc`; the wire format is vLLM's own, so the
-trainer side (`weights/transport_gpu.py`) speaks to them exactly as to `nccl` / `ipc`. The only
+Registered (`engines.register`) as `mrl_nccl` and `mrl_ipc`; the wire format is vLLM's own, so the
+trainer side (`sync/gpu.py`) speaks to them exactly as to `nccl` / `ipc`. The only
 addition: each worker counts the tensors it received in the current update and, once it finished,
 records them with the version the trainer then commits (`WorkerExtension.mrl_commit_version`), so
 the trainer checks every worker's own report as with the CPU backend.
@@ -14,7 +14,7 @@ from typing import Any
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-from .worker_ext import LOADED
+from .loaded import LOADED
 
 
 class _Counting:

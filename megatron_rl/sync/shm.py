@@ -1,4 +1,9 @@
-"""CPU weight transport: raw tensor bytes in segment files that the server's worker maps.
+"""The `shm` backend: raw tensor bytes in segment files, written once and read by every server.
+
+Rank 0 writes the tensors ONCE into segment files and every server loads the same manifest
+through its `mrl_shm` engine (`rollout/engines/shm.py`), driven by the weight-transfer round of
+`routes.py`. Runs on CPU and GPU; the only backend a restarted server can be brought back with
+(the bytes stay).
 
 On the trainer's host (the default: /dev/shm) the segments are created once and rewritten in place
 by every update, and the server keeps them mapped. An update is then one copy on the trainer side,
@@ -10,10 +15,11 @@ With a directory both sides see (servers on other nodes, `root`), each update go
 directory whose files are flushed before the server is told; the server maps it fresh, so nothing
 relies on mmap coherence across nodes. The previous directory goes once the next one has landed.
 
-Sequence: the trainer writes (the server keeps serving: it reads nothing before the update) →
-pause (waiting for in-flight requests) → rpc `mrl_update(version, manifest)` → reset prefix
-cache → resume. Writing before the pause also keeps the copy off the cores that vLLM's worker
-busy-polls for a second after every request it gets, which made the same copy 40× slower.
+Sequence: the trainer writes (the servers keep serving: they read nothing before the update) →
+per server, the engine round (pause, waiting for in-flight requests → /update_weights with the
+manifest → reset prefix cache → resume). Writing before the pause also keeps the copy off the
+cores that vLLM's worker busy-polls for a second after every request it gets, which made the same
+copy 40× slower.
 """
 
 from __future__ import annotations
@@ -23,41 +29,19 @@ import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from ..rollout.engines import MOE_LOAD
 from ..rollout.shm import SYNC_PREFIX
+from .routes import EngineLink, EngineServer
 
 ALIGN = 64
 """Byte alignment of every tensor in a segment (any dtype view of the bytes is aligned)."""
-
-
-class ControlEndpoint(Protocol):
-    def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
-             timeout: float = 600.0) -> Any: ...
-
-    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]: ...
-
-
-def _direct(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
-
-
-def one_result(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """vLLM's collective RPC answers once per worker (TP × PP of an engine; under DP, those of
-    the first engine). Every worker loads the whole manifest, so all must report the same update:
-    a worker that loaded another version or another number of tensors is an error."""
-    if not results:
-        raise RuntimeError("mrl_update: the server returned no worker result")
-    first = results[0]
-    for i, r in enumerate(results[1:], start=1):
-        if r != first:
-            raise RuntimeError(f"mrl_update: vLLM workers disagree: worker 0 reported {first}, worker {i} {r}")
-    return {**first, "workers": len(results)}
 
 
 def _shm_root() -> Path:
@@ -125,16 +109,15 @@ class _MappedFile:
         os.close(self.fd)
 
 
-class FileTransport:
-    """One weight update at a time: begin → send_bucket* → finish (or abort).
+class SegmentWriter:
+    """Writes one weight update at a time into segment files: begin → send_bucket* → seal (or abort).
 
     The latest complete update (every byte written; loaded, or being loaded) stays where it was
     written until the next one begins, so a restarted server can be brought to the current weights
-    (`resend_latest`) without the trainer ranks gathering again — also when it died mid-load.
+    (`ShmLink.resend_latest`) without the trainer ranks gathering again — also when it died mid-load.
     """
 
-    def __init__(self, server: ControlEndpoint, root: Path | None = None, segment_bytes: int = 512 << 20) -> None:
-        self.server = server
+    def __init__(self, root: Path | None, segment_bytes: int) -> None:
         self.root = root
         self.segment_bytes = segment_bytes
         self.in_place = root is None
@@ -147,8 +130,6 @@ class FileTransport:
         self.overwritten = False
         """An update began over the latest one's bytes (in place) and did not finish."""
         self.version = 0
-        self.supervise: Callable[..., Any] = _direct
-        """Runs each server-side load (`ServerSupervisor.call`: restarts a dead server, redoes it)."""
 
     def begin(self, version: int) -> None:
         if self.in_place:
@@ -188,7 +169,10 @@ class FileTransport:
         segments = [[str(f.path), f.size] for f in self.files[:len(self.layout.sizes)]]
         return json.dumps({"segments": segments, "tensors": self.tensors})
 
-    def finish(self, names: list[str]) -> dict[str, Any]:
+    def seal(self, names: list[str]) -> tuple[str, Path | None]:
+        """The update is complete (every one of `names` written, flushed for other nodes): it
+        becomes the latest. Returns its manifest and the previous update's directory, which the
+        caller removes once the servers have loaded this one (shared directories; else None)."""
         assert self.dir is not None, "begin() first"
         try:
             sent = sorted(t[0] for t in self.tensors)
@@ -201,40 +185,11 @@ class FileTransport:
             self.abort()
             raise
         # The bytes are complete: from here a server restarted mid-load is brought to this version.
-        previous = self.latest
+        previous = self.latest[2] if self.latest is not None and not self.in_place else None
         self.latest, self.overwritten = (self.version, manifest, self.dir), False
         if not self.in_place:
             self.dir = None
-        result = self._deliver(self.version, manifest)
-        if not self.in_place and previous is not None:
-            shutil.rmtree(previous[2], ignore_errors=True)
-        return result
-
-    def _deliver(self, version: int, manifest: str) -> dict[str, Any]:
-        """Have the server(s) load the complete update."""
-        return self.supervise("the weight sync", self._load, version, manifest)
-
-    def _load(self, version: int, manifest: str) -> dict[str, Any]:
-        """pause → update → reset prefix cache → resume; redone from the start if the server died."""
-        self.server.post("/pause", params={"mode": "wait"})
-        try:
-            result = one_result(self.server.rpc("mrl_update", str(version), manifest))
-            self.server.post("/reset_prefix_cache")
-        finally:
-            self.server.post("/resume")
-        return result
-
-    def resend_latest(self) -> dict[str, Any] | None:
-        """Load the latest complete update into a (restarted) server again; None if there was none."""
-        if self.latest is None:
-            if self.overwritten:
-                raise RuntimeError("the latest weights were partly overwritten by an update that did not "
-                                   "finish; a full sync is needed")
-            return None
-        version, manifest, _ = self.latest
-        result = one_result(self.server.rpc("mrl_update", str(version), manifest))
-        self.server.post("/reset_prefix_cache")
-        return result
+        return manifest, previous
 
     def abort(self) -> None:
         """Forget an update that will not finish (the server was never paused for it)."""
@@ -259,3 +214,55 @@ class FileTransport:
         for d in {self.dir, self.latest[2] if self.latest else None} - {None}:
             shutil.rmtree(d, ignore_errors=True)   # type: ignore[arg-type]
         self.dir = self.latest = None
+
+
+class ShmLink(EngineLink):
+    """One server reading the shared segments; what its supervisor re-sends after a restart."""
+
+    def __init__(self, shared: SegmentWriter, server: EngineServer, init_info: dict[str, Any]) -> None:
+        super().__init__(server, init_info)
+        self.shared = shared
+
+    @property
+    def latest(self) -> tuple[int, str, Path] | None:
+        return self.shared.latest
+
+    def load(self, version: int, manifest: str) -> dict[str, Any]:
+        spec = json.loads(manifest)
+        result = self.round(version, [{"version": version, "segments": spec["segments"], "tensors": spec["tensors"]}])
+        if result.get("version") != version or result.get("tensors") != len(spec["tensors"]):
+            raise RuntimeError(f"{getattr(self.server, 'base_url', 'server')}: loaded {result}, sent version "
+                               f"{version} with {len(spec['tensors'])} tensors")
+        return result
+
+    def resend_latest(self) -> dict[str, Any] | None:
+        """The latest complete update again (a restarted server); None if there was none."""
+        if self.shared.latest is None:
+            if self.shared.overwritten:
+                raise RuntimeError("the latest weights were partly overwritten by an update that did not "
+                                   "finish; a full sync is needed")
+            return None
+        version, manifest, _ = self.shared.latest
+        return self.load(version, manifest)
+
+    def close(self) -> None:
+        self.shared.close()
+
+
+class SharedSegmentTransport(SegmentWriter):
+    """Write once, read by all: one copy of each version, the same manifest to every server.
+
+    `segment_bytes` is `rollout.sync_bucket_mb`; `moe_load` how CPU workers load fused-MoE
+    experts (`rollout.engines.MOE_LOAD`)."""
+
+    def __init__(self, servers: Sequence[EngineServer], root: Path | None = None, *, segment_bytes: int,
+                 moe_load: str = MOE_LOAD) -> None:
+        super().__init__(root, segment_bytes)
+        self.links = [ShmLink(self, s, {"moe_load": moe_load}) for s in servers]
+
+    def finish(self, names: list[str]) -> dict[str, Any]:
+        manifest, previous = self.seal(names)
+        results = [link.supervise("the weight sync", link.load, self.version, manifest) for link in self.links]
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        return {**results[0], "servers": len(results)}

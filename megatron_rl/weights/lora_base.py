@@ -1,9 +1,6 @@
-"""LoRA weights leaving Megatron: only the base tensors an adapter touches, merged (W + (α/r)·B·A).
-
-vLLM keeps the frozen base it started from; each sync overwrites just the adapted tensors with
-base + current delta (never delta on top of the last merge), so the server's weights equal the
-trainer's adapted model after every sync, whatever happened before (a restart, a resume).
-Also the identity of the base a LoRA checkpoint belongs to (adapters mean nothing without it).
+"""The base a LoRA checkpoint belongs to (adapters mean nothing without it): its identity, what a
+LoRA checkpoint records besides the adapters, and loading that base back (training's resume and
+the converter's `mcore-to-hf`). The adapter-only weight syncs are `sync/lora.py`.
 """
 
 from __future__ import annotations
@@ -13,23 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..config.schema import LoraConfig
 from ..megatron.actor import Actor
 from ..megatron.checkpoint import load_weights
-from ..megatron.lora import merged_deltas
 from ..model_config import is_megatron_checkpoint
 from .loading import load_hf_into_model
 from .map import WeightAdapter
-from .sync import SyncReport, Transport, sync_weights
-
-
-def sync_lora(model: torch.nn.Module, adapter: WeightAdapter, transport: Transport | None, version: int,
-              dtype: torch.dtype) -> SyncReport | None:
-    """Collective: merge each adapter into its base shard, send only the touched tensors, restore."""
-    with merged_deltas(model) as touched:
-        return sync_weights(model, adapter, transport, version, dtype, only=touched)
 
 
 def base_identity(path: str | Path) -> dict[str, Any]:

@@ -1,0 +1,118 @@
+"""Weight sync, the trainer's side: Megatron shards → full HF-named tensors (the weight map) → a
+transport → every rollout server, through vLLM's weight-transfer routes (`routes.py`).
+
+Collective over all trainer ranks (TP/EP/PP gathers); only global rank 0 talks to the servers.
+One part of a layer is gathered at a time and handed to the transport at once. One file per
+backend (`rollout.weight_transfer`):
+
+- `shm` (`shm.py`): segment files written once, read by every server's `mrl_shm` engine; CPU and GPU.
+- `nccl`, `ipc` (`gpu.py`): vLLM's own GPU engines.
+
+`lora.py` sends only what LoRA adapters change; `verify.py` checks what the servers then compute.
+The servers' side of each backend is in `rollout/engines/`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..weights.map import WeightAdapter
+from .gpu import IpcTransport, NcclTransport
+from .routes import EngineServer
+from .shm import SharedSegmentTransport
+
+Backend = Literal["shm", "nccl", "ipc"]
+
+
+class Transport(Protocol):
+    """One update at a time: begin → send_bucket* → finish (or abort), on global rank 0.
+
+    What `send_bucket` gets may alias parameters (a part that needs no gather) or be reused by the
+    caller afterwards. The `shm` transport copies it into its segments before returning, so each
+    gathered part is freed at once and its memory reused (retaining a whole bucket of fresh tensors
+    cost more in page faults than the copies themselves). The GPU transports instead hold the
+    references until `bucket_bytes` are pending and send them then, in one round per bucket. That is
+    safe because nothing writes those tensors before the bucket goes: `finish()`, which sends what
+    is still held, runs inside `sync_weights` (no optimizer step in between), itself inside LoRA's
+    `merged_deltas` (the merge is undone only after it), and each gathered part is a fresh tensor.
+    """
+
+    def begin(self, version: int) -> None: ...
+
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def finish(self, names: list[str]) -> dict[str, Any]: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass
+class SyncReport:
+    version: int
+    tensors: int
+    bytes: int
+    parts: int
+    """Hand-overs to the transport: parts of layers (`sharding.GATHER_CHUNK_BYTES`)."""
+    seconds: float
+    server: dict[str, Any]
+
+
+def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Transport | None, version: int,
+                 dtype: torch.dtype, only: set[str] | None = None) -> SyncReport | None:
+    """Send every weight (or the global names in `only`) to the server (rank 0 returns the report;
+    other ranks return None)."""
+    # megatron-core: imported here, so that the transports stay importable before the entry point's
+    # cpu_compat.apply() (the servers' test helpers and benches use them without a model).
+    from ..weights.sharding import gather_hf_layers
+
+    rank0 = dist.get_rank() == 0
+    start = time.perf_counter()
+    if rank0:
+        assert transport is not None, "rank 0 needs a transport"
+        transport.begin(version)
+    sender = transport if rank0 else None   # only rank 0 talks to the server
+    total = sends = 0
+    names: list[str] = []
+    try:
+        for layer in gather_hf_layers(model, adapter, only):
+            if sender is None:
+                continue
+            tensors = {name: tensor.to(dtype) for name, tensor in layer}
+            sender.send_bucket(tensors)
+            names += tensors
+            total += sum(t.nbytes for t in tensors.values())
+            sends += 1
+        if sender is None:
+            return None
+        server = sender.finish(names)
+    except BaseException:
+        if sender is not None:
+            sender.abort()
+        raise
+    return SyncReport(version, len(names), total, sends, time.perf_counter() - start, server)
+
+
+def make_transport(backend: Backend, servers: Sequence[EngineServer], sync_root: Path | None,
+                   segment_bytes: int, device: torch.device | None = None) -> tuple[Transport, list[Any]]:
+    """The sender rank 0 hands to `sync_weights`, and per server the object its supervisor re-sends
+    weights through (`latest`, `resend_latest`, `supervise`, `close`). `segment_bytes` is
+    `rollout.sync_bucket_mb`. The GPU backends send from `device`, by default this rank's current
+    CUDA device (where the gather puts the weights)."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if backend == "shm":
+        shared = SharedSegmentTransport(servers, sync_root, segment_bytes=segment_bytes)
+        return shared, list(shared.links)
+    if device is None or device.type != "cuda":
+        raise ValueError(f"rollout.weight_transfer: {backend!r} sends from a CUDA device; this trainer has "
+                         f"{device}. Use 'shm' without GPUs")
+    gpu = NcclTransport(servers, device, bucket_bytes=segment_bytes) if backend == "nccl" else \
+        IpcTransport(servers, device, bucket_bytes=segment_bytes)
+    return gpu, list(gpu.links)

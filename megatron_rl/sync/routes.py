@@ -1,0 +1,101 @@
+"""One weight-transfer round through vLLM's engine routes, the same for every backend.
+
+The trainer side of one sync is the same whatever carries the bytes: per server, /pause (waiting
+for requests in flight) → /init_weight_transfer_engine (once per server process) →
+/start_weight_update → /update_weights (one or more) → /finish_weight_update (with the version)
+→ /reset_prefix_cache (KV blocks of the old weights) → /resume, and the workers' own report of
+what they loaded (`mrl_loaded`: all workers must agree). What `/update_weights` carries is the
+backend's business (`shm.py`: a manifest of segment files; `gpu.py`: vLLM's own nccl / ipc
+payloads); the engines that receive it are in `rollout/engines/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+
+class ControlEndpoint(Protocol):
+    def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
+             timeout: float = 600.0) -> Any: ...
+
+    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]: ...
+
+
+class EngineServer(ControlEndpoint, Protocol):
+    """A rollout server as the weight-transfer driver sees it (`RolloutServer`)."""
+
+    restarts: int
+    token: str
+
+    @property
+    def base_url(self) -> str: ...
+
+
+def direct(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`EngineLink.supervise` without a supervisor: the call as it is."""
+    return fn(*args)
+
+
+def one_result(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's collective RPC answers once per worker (TP × PP of an engine; under DP, those of
+    the first engine). Every worker loads the whole update, so all must report the same one:
+    a worker that loaded another version or another number of tensors is an error."""
+    if not results:
+        raise RuntimeError("the server returned no worker result")
+    first = results[0]
+    for i, r in enumerate(results[1:], start=1):
+        if r != first:
+            raise RuntimeError(f"vLLM workers disagree: worker 0 reported {first}, worker {i} {r}")
+    return {**first, "workers": len(results)}
+
+
+class EngineLink:
+    """The weight-transfer routes of one server; `supervise` wraps each whole round (a server that
+    dies under it is restarted and the round redone from /pause)."""
+
+    def __init__(self, server: EngineServer, init_info: dict[str, Any] | None = None) -> None:
+        self.server = server
+        self.init_info = init_info or {}
+        self.supervise: Callable[..., Any] = direct
+        self._ready_for: int | None = None
+        """`server.restarts` when the engine was initialised: a restarted server needs it again."""
+
+    def init_engine(self, init_info: dict[str, Any] | None = None) -> None:
+        self.server.post("/init_weight_transfer_engine", {"init_info": self.init_info if init_info is None
+                                                          else init_info})
+        self._ready_for = self.server.restarts
+
+    def start(self) -> None:
+        """Pause and open an update; the caller sends, then calls `finish` (or `resume`)."""
+        self.server.post("/pause", params={"mode": "wait"})
+        try:
+            if self._ready_for != self.server.restarts:
+                self.init_engine()
+            self.server.post("/start_weight_update")
+        except BaseException:
+            self.server.post("/resume")
+            raise
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self.server.post("/update_weights", {"update_info": update_info})
+
+    def finish(self, version: int) -> dict[str, Any]:
+        """Close the update, drop the KV cache of the old weights, resume; what the workers loaded."""
+        try:
+            self.server.post("/finish_weight_update", {"weight_version": str(version)})
+            loaded = one_result(self.server.rpc("mrl_loaded"))
+            self.server.post("/reset_prefix_cache")
+        finally:
+            self.server.post("/resume")
+        return loaded
+
+    def round(self, version: int, updates: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        self.start()
+        try:
+            for update in updates:
+                self.update(update)
+        except BaseException:
+            self.server.post("/resume")
+            raise
+        return self.finish(version)

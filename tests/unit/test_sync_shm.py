@@ -1,0 +1,228 @@
+"""The `shm` transport's bookkeeping (`sync/shm.py`, pure logic): where tensors land in the
+segments, what the manifest says, what stays on disk; the order of the weight-transfer calls of a
+round, re-initialising a restarted server's engine, one written copy and one manifest for every
+server (write once), and a worker report that does not match what was sent. The server side is a
+recording stub here; the real servers are in test_rollout_server.py, test_weight_sync.py,
+test_weight_transfer.py, test_verification_servers.py and test_disaggregated.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_rl.rollout.engines.loaded import views
+from megatron_rl.sync.shm import ALIGN, SegmentLayout, SharedSegmentTransport
+
+
+class EngineRecorder:
+    """Answers the routes as a server with the `mrl_shm` engine does, decoding every update's
+    tensors from the files its manifest names (the bytes as they are now, through the engine's own
+    decoder: what the server would load is checked byte for byte)."""
+
+    def __init__(self, name: str = "a") -> None:
+        self.base_url, self.token, self.restarts = f"http://{name}", "t", 0
+        self.calls: list[str] = []
+        self.manifests: list[dict[str, Any]] = []
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.version = 0
+        self.lie = False
+
+    def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
+        self.calls.append(path)
+        if path == "/update_weights":
+            info = body["update_info"]
+            self.manifests.append(info)
+            segments = [torch.frombuffer(bytearray(Path(p).read_bytes()[:size]), dtype=torch.uint8)
+                        for p, size in info["segments"]]
+            self.loaded = {name: t.clone() for name, t in views(info["tensors"], segments)}
+            self.version = info["version"]
+        if path == "/finish_weight_update":
+            assert body == {"weight_version": str(self.version)}
+
+    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
+        self.calls.append(method)
+        assert method == "mrl_loaded"
+        return [{"version": self.version, "tensors": len(self.loaded) - self.lie}] * 2      # two workers
+
+
+ROUND = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "mrl_loaded",
+         "/reset_prefix_cache", "/resume"]
+
+
+def test_layout_fills_segments_in_order_aligned_and_gives_big_tensors_their_own() -> None:
+    layout = SegmentLayout(capacity=1000)
+    assert layout.place(10) == (0, 0)
+    assert layout.place(100) == (0, ALIGN)                       # aligned start
+    assert layout.place(900) == (1, 0)                          # would cross: next segment
+    assert layout.place(5000) == (2, 0)                         # bigger than a segment: its own
+    assert layout.place(1) == (3, 0)
+    assert layout.sizes == [ALIGN + 100, 900, 5000, 1]
+    again = SegmentLayout(capacity=1000)
+    assert [again.place(n) for n in (10, 100, 900, 5000, 1)] == [(0, 0), (0, ALIGN), (1, 0), (2, 0), (3, 0)]
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(3, 5, generator=g), "b": torch.randn(40, generator=g).to(torch.bfloat16),
+            "c": torch.randint(0, 9, (7,), generator=g), "empty": torch.empty(0, 4),
+            "d": torch.randn(300, 2, generator=g)}
+
+
+def _update(t: SharedSegmentTransport, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    t.begin(version)
+    names = list(tensors)
+    t.send_bucket({n: tensors[n] for n in names[:2]})
+    t.send_bucket({n: tensors[n] for n in names[2:]})
+    return t.finish(names)
+
+
+@pytest.mark.parametrize("shared_dir", [False, True], ids=["in_place", "shared_dir"])
+def test_what_the_server_loads_is_what_was_sent_every_update(shared_dir: bool, tmp_path: Path) -> None:
+    server = EngineRecorder()
+    t = SharedSegmentTransport([server], tmp_path / "sync" if shared_dir else None, segment_bytes=512)
+    try:
+        dirs = []
+        for version in (1, 2, 3):
+            sent = _tensors(version)
+            server.calls = []
+            assert _update(t, version, sent)["version"] == version
+            assert set(server.loaded) == set(sent)
+            for name, tensor in sent.items():
+                assert server.loaded[name].dtype == tensor.dtype and torch.equal(server.loaded[name], tensor), name
+            assert [c for c in server.calls if c != "/init_weight_transfer_engine"] == ROUND
+            dirs.append(t.latest[2])
+        if shared_dir:
+            assert len(set(dirs)) == 3 and [d.exists() for d in dirs] == [False, False, True]   # only the latest
+        else:
+            assert len(set(dirs)) == 1                           # one directory, rewritten in place
+        assert len(t.layout.sizes) > 1                           # 512-byte segments: really split
+        assert t.links[0].resend_latest()["version"] == 3 and torch.equal(server.loaded["d"], _tensors(3)["d"])
+    finally:
+        t.close()
+    assert not any(d.exists() for d in dirs)
+
+
+def test_incomplete_update_is_refused_before_the_server_is_touched(tmp_path: Path) -> None:
+    server = EngineRecorder()
+    t = SharedSegmentTransport([server], None, segment_bytes=512)
+    try:
+        t.begin(1)
+        t.send_bucket({"a": torch.ones(2)})
+        with pytest.raises(RuntimeError, match="1 tensors written, 2 expected"):
+            t.finish(["a", "b"])
+        assert server.calls == []
+    finally:
+        t.close()
+
+
+def test_aborted_in_place_update_blocks_resending_but_a_shared_dir_keeps_the_latest(tmp_path: Path) -> None:
+    for root, resendable in ((None, False), (tmp_path / "sync", True)):
+        server = EngineRecorder()
+        t = SharedSegmentTransport([server], root, segment_bytes=512)
+        try:
+            _update(t, 1, _tensors(1))
+            t.begin(2)
+            t.send_bucket({"a": torch.zeros(3, 5)})
+            t.abort()
+            if resendable:
+                assert t.links[0].resend_latest()["version"] == 1 and torch.equal(server.loaded["a"], _tensors(1)["a"])
+            else:
+                with pytest.raises(RuntimeError, match="partly overwritten"):
+                    t.links[0].resend_latest()
+            assert _update(t, 3, _tensors(3))["version"] == 3     # a full update recovers either way
+            assert t.links[0].resend_latest()["version"] == 3
+        finally:
+            t.close()
+
+
+def test_no_room_for_the_segments_is_an_error_naming_the_directory(tmp_path: Path) -> None:
+    """A mapped file whose pages cannot be allocated would kill the trainer with SIGBUS on first
+    touch; the transport reserves each range first and raises instead. The file-size limit stands
+    in for a full /dev/shm (same failing call), in a child process so pytest keeps its limits."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal, torch
+from pathlib import Path
+from megatron_rl.sync.shm import SegmentWriter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+t = SegmentWriter(Path({str(tmp_path)!r}) / "sync", segment_bytes=1 << 16)
+t.begin(1)
+t.send_bucket({{"small": torch.zeros(1000)}})
+try:
+    t.send_bucket({{"big": torch.zeros(1 << 20)}})
+except OSError as exc:
+    print("ERROR:", exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert "ERROR:" in out.stdout, out.stdout + out.stderr
+    message = out.stdout.split("ERROR:", 1)[1]
+    assert "cannot allocate 4.0 MiB" in message and str(tmp_path / "sync") in message, message
+
+
+def _send(transport: SharedSegmentTransport, version: int, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    transport.begin(version)
+    names = sorted(state)
+    for start in range(0, len(names), 2):
+        transport.send_bucket({n: state[n] for n in names[start:start + 2]})
+    return transport.finish(names)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.w": torch.randn(33, 7, generator=g) for i in range(5)}
+
+
+def test_round_order_and_a_restarted_server_gets_its_engine_initialised_again(tmp_path: Path) -> None:
+    server = EngineRecorder("a")
+    transport = SharedSegmentTransport([server], None, segment_bytes=1 << 10)
+    try:
+        result = _send(transport, 1, _state(0))
+        assert result == {"version": 1, "tensors": 5, "workers": 2, "servers": 1}
+        assert server.calls == ["/pause", "/init_weight_transfer_engine"] + ROUND[1:]
+        server.calls = []
+        _send(transport, 2, _state(1))
+        assert server.calls == ROUND                                    # initialised once per server process
+        server.restarts, server.calls = 1, []
+        assert transport.links[0].resend_latest() == {"version": 2, "tensors": 5, "workers": 2}
+        assert server.calls == ["/pause", "/init_weight_transfer_engine"] + ROUND[1:]
+        assert all(torch.equal(server.loaded[n], t) for n, t in _state(1).items())
+    finally:
+        transport.close()
+
+
+def test_two_servers_read_one_written_copy_per_version(tmp_path: Path) -> None:
+    servers = [EngineRecorder("a"), EngineRecorder("b")]
+    root = tmp_path / "sync"
+    transport = SharedSegmentTransport(servers, root, segment_bytes=1 << 10)
+    try:
+        for version in (1, 2):
+            state = _state(version)
+            assert _send(transport, version, state)["servers"] == 2
+            assert servers[0].manifests[-1] == servers[1].manifests[-1]            # the same manifest
+            for s in servers:
+                assert all(torch.equal(s.loaded[n], t) for n, t in state.items())
+            dirs = list(root.iterdir())                       # the previous version went once both loaded
+            assert len(dirs) == 1
+            written = sum(f.stat().st_size for f in dirs[0].iterdir())
+            assert written < 2 * sum(t.nbytes for t in state.values())               # one copy, not two
+    finally:
+        transport.close()
+
+
+def test_a_worker_report_that_does_not_match_what_was_sent_is_an_error() -> None:
+    server = EngineRecorder("a")
+    server.lie = True
+    transport = SharedSegmentTransport([server], None, segment_bytes=1 << 10)
+    try:
+        with pytest.raises(RuntimeError, match="loaded"):
+            _send(transport, 1, _state(0))
+        assert server.calls[-1] == "/resume"                                        # serving again
+    finally:
+        transport.close()
