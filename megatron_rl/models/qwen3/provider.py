@@ -18,6 +18,7 @@ from ...megatron.providers import (
     provider,
     use_transformer_engine,
 )
+from ...megatron.qlora_spec import gpt_qlora_spec
 from ...model_config import moe_layers, num_experts
 
 cpu_compat.require_applied()   # megatron-core below is imported only after the CPU patches
@@ -29,15 +30,20 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 @provider("Qwen3ForCausalLM")
 def qwen3_dense(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
     config = TransformerConfig(**_common_config(hf, layout, dtype))
-    return _recipe(hf, config, _local_or_te_spec(None))
+    recipe = _recipe(hf, config, _local_or_te_spec(None))
+    recipe.qlora_spec = gpt_qlora_spec
+    return recipe
 
 
 @provider("Qwen3MoeForCausalLM")
 def qwen3_moe(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> ModelRecipe:
     config = TransformerConfig(**_common_config(hf, layout, dtype), **_moe_config(hf, layout))
     if all(moe_layers(hf)):
-        return _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
-    # Dense layers too (mlp_only_layers, decoder_sparse_step): one spec per layer, from
-    # moe_layer_freq; a single layer spec would make megatron build every layer MoE.
-    return _recipe(hf, config, lambda vp_stage: get_gpt_decoder_block_spec(
-        config, use_transformer_engine(), normalization="RMSNorm", vp_stage=vp_stage))
+        recipe = _recipe(hf, config, _local_or_te_spec(num_experts(hf)))
+    else:
+        # Dense layers too (mlp_only_layers, decoder_sparse_step): one spec per layer, from
+        # moe_layer_freq; a single layer spec would make megatron build every layer MoE.
+        recipe = _recipe(hf, config, lambda vp_stage: get_gpt_decoder_block_spec(
+            config, use_transformer_engine(), normalization="RMSNorm", vp_stage=vp_stage))
+    recipe.qlora_spec = gpt_qlora_spec
+    return recipe
