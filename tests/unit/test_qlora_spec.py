@@ -31,9 +31,10 @@ from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
 
+from megatron_rl.config.schema import ParallelismConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, init_parallel  # noqa: E402
 from megatron_rl.megatron.devices import init_distributed  # noqa: E402
-from megatron_rl.megatron.providers import ParallelLayout, build_model_recipe  # noqa: E402
+from megatron_rl.megatron.providers import build_model_recipe  # noqa: E402
 from megatron_rl.megatron.qlora_spec import for_quantized_base, local_rms_norm, qlora_pieces  # noqa: E402
 from megatron_rl.megatron.quantize import QuantizationError  # noqa: E402
 from megatron_rl.models import MODELS  # noqa: E402
@@ -53,7 +54,7 @@ SYNC_REL = 1e-6          # fp32 W + ΔW against float64: one rounding of each te
 def one_rank() -> Iterator[None]:
     torch.set_num_threads(1)
     init_distributed(store=dist.HashStore())
-    init_parallel(ParallelLayout(), seed=3)
+    init_parallel(ParallelismConfig(), seed=3)
     yield
     from megatron.core import parallel_state as ps
 
@@ -110,7 +111,8 @@ def test_every_architecture_has_a_qlora_spec_of_local_linears(arch: str, te: boo
 
 
 def test_a_recipe_without_a_qlora_spec_is_refused() -> None:
-    recipe = dataclasses.replace(build_model_recipe(dict(TINY_MOE), ParallelLayout(), torch.float32), qlora_spec=None)
+    built = build_model_recipe(dict(TINY_MOE), ParallelismConfig(), torch.float32)
+    recipe = dataclasses.replace(built, qlora_spec=None)
     with pytest.raises(QuantizationError, match="no QLoRA spec"):
         for_quantized_base(recipe)
 
@@ -118,7 +120,7 @@ def test_a_recipe_without_a_qlora_spec_is_refused() -> None:
 @pytest.mark.parametrize("arch", sorted(MODELS_BY_ARCH))
 def test_the_actor_builds_the_qlora_spec_with_the_nf4_base_in_its_local_linears(arch: str) -> None:
     hf = MODELS_BY_ARCH[arch]
-    recipe = build_model_recipe(dict(hf), ParallelLayout(), torch.float32)
+    recipe = build_model_recipe(dict(hf), ParallelismConfig(), torch.float32)
     actor = Actor(recipe, 1, None, lora=qlora.LORA)
     assert actor.config.moe_grouped_gemm is False and actor.recipe.qlora_spec is None
     holders = qlora.nf4_holders(actor.model)
