@@ -6,8 +6,9 @@ each micro-batch on the device inside the actor, log-probs against a float64 ref
 from the same logits, a GRPO step that moves the weights, the NaN guard (a NaN gradient under a
 finite loss skips the step and leaves the weights alone), and peak memory. Also the world group
 (`cpu:gloo,cuda:nccl` on CUDA: a CPU and a device all-reduce), the device this rank is bound to
-(LOCAL_RANK), and QLoRA on the local spec (`qwen3_moe_qlora`: the frozen base in NF4 on the device,
-q/k/v/o adapters; a step moves the adapters only).
+(LOCAL_RANK), and QLoRA (`qwen3_moe_qlora`: the actor builds the QLoRA spec — local linears holding
+the frozen base in NF4 on the device, TE's norms and attention where TE is installed —, q/k/v/o
+adapters; a step moves the adapters only).
 
 Needs torch and megatron-core (and PyYAML); no vLLM, Transformer-Engine or transformers. Qwen3-Next
 on CUDA also needs flash-linear-attention (`fla`); without it that model is reported as skipped.
@@ -132,8 +133,6 @@ def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, An
     if name == "qwen3_next" and torch.cuda.is_available() and importlib.util.find_spec("fla") is None:
         return {"skipped": "flash-linear-attention (fla) is not installed; Qwen3-Next needs it on CUDA"}
     qlora = name.endswith("_qlora")
-    if qlora and use_transformer_engine():
-        return {"skipped": "QLoRA has no Transformer-Engine spec yet (lint: lora-base-quantization)"}
     if qlora and importlib.util.find_spec("torchao") is None:
         return {"skipped": "torchao (QLoRA's NF4) is not installed"}
     started = time.perf_counter()
@@ -154,6 +153,9 @@ def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, An
         "logprobs_device": str(batch.old_logprobs.device), "logprob_max_abs_err_vs_fp64": _logprob_check(actor, batch)}
     if actor.quantization is not None:
         out["nf4_modules"] = len(actor.quantization.quantized)
+        modules = dict(unwrap(actor.model).named_modules())
+        out["nf4_holder_classes"] = sorted({type(modules[m]).__name__ for m in actor.quantization.quantized})
+        out["spec"] = "qlora-te" if use_transformer_engine() else "qlora-local"
     before = _snapshot(actor.model)
     cfg = AlgorithmConfig(kl_beta=0.05)
     step = actor.train_step(batch, cfg, temperature=TEMPERATURE, rl_step=0)
@@ -192,6 +194,8 @@ def _failures(name: str, r: dict[str, Any], device: str) -> list[str]:
     }
     if "nf4_modules" in r or name.endswith("_qlora"):
         checks["an NF4 base"] = r.get("nf4_modules", 0) > 0
+        checks["the NF4 base in local linears (the QLoRA spec)"] = \
+            set(r.get("nf4_holder_classes", ["?"])) <= {"ColumnParallelLinear", "RowParallelLinear"}
         checks["a step moves the adapters only"] = r.get("only_adapters_moved") is True
     return [f"{name}: {what}" for what, ok in checks.items() if not ok]
 

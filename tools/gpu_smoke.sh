@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU smoke check of the trainer's GPU path (tools/gpu_smoke.py); prints one JSON line and
 # exits non-zero when a check fails. Runs on the CPU too (CI: tests/unit/test_gpu_smoke.py).
+# `qwen3_moe_qlora` builds the QLoRA spec on CUDA (local linears holding the NF4 base; TE's norms
+# and attention when TE is installed, its "spec" entry says which).
 #
 #   tools/gpu_smoke.sh [--models qwen3_moe,qwen3_next,qwen3_moe_qlora] [--dtype bf16|fp32]
 #

@@ -337,13 +337,16 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if "experts" in lo.targets and p.expert_tp > 1:
         out.append(Finding("error", "lora-targets", "parallelism.expert_tensor_parallel_size",
                            "lora.targets 'experts' needs expert_tensor_parallel_size 1 (it defaults to the TP size)"))
-    if "experts" in lo.targets and cfg.gpus_per_node and (hf is None or num_experts(hf)):
+    if "experts" in lo.targets and cfg.gpus_per_node and (hf is None or num_experts(hf)) \
+            and lo.base_quantization == "none":
         # The GPU build groups a layer's experts into TE's grouped GEMM (`providers._moe_config`),
         # which has no per-expert linears to hook (`megatron/lora.py` raises after the model build).
+        # QLoRA's spec (`megatron/qlora_spec.py`) runs them as SequentialMLP over local linears.
         out.append(Finding("error", "lora-targets", "lora.targets",
                            "'experts' on a GPU job: the GPU build runs the experts as Transformer Engine's grouped "
-                           "GEMM, which has no per-expert linears for adapters; use q, k, v, o (CPU jobs: "
-                           "slurm.gpus_per_node 0)"))
+                           "GEMM, which has no per-expert linears for adapters; use q, k, v, o, or QLoRA "
+                           "(lora.base_quantization: nf4, whose spec has per-expert linears), or a CPU job "
+                           "(slurm.gpus_per_node 0)"))
     return out
 
 
@@ -389,15 +392,11 @@ def _lora_quantization(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if lora.base_quantization == "fp8":
         return [Finding("error", "lora-base-quantization", "lora.base_quantization",
                         "'fp8' has no code path yet; allowed: nf4, none")]
-    if cfg.gpus_per_node:
-        # A GPU job builds the Transformer-Engine spec whenever TE is installed (the image), and
-        # `megatron/quantize.py` cannot quantize TE linears or grouped-GEMM experts; without TE,
-        # megatron's local spec refuses sequence parallelism on GPU. No QLoRA spec exists yet.
-        return [Finding("error", "lora-base-quantization", "lora.base_quantization",
-                        f"{lora.base_quantization!r} on a GPU job: the GPU build holds Transformer-Engine linears "
-                        "and grouped-GEMM experts, which the NF4 base cannot replace, and there is no QLoRA "
-                        "model spec for GPUs yet; it runs on CPU jobs only (slurm.gpus_per_node: 0). Use "
-                        "base_quantization: none (LoRA over the bf16 base)")]
+    # GPU jobs too: the actor builds the QLoRA spec (`megatron/qlora_spec.py`), never the TE spec
+    # whose linears cannot hold an NF4 base. Every registered architecture has one, of local
+    # linears only (tests/unit/test_qlora_spec.py; an architecture without one is refused when the
+    # model is built), with TENorm under sequence parallelism — the project's RMSNorm without TE,
+    # never megatron's WrappedTorchNorm, which refuses SP: so SP needs no rule here.
     return []
 
 

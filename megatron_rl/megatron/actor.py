@@ -119,6 +119,10 @@ class Actor:
 
         `replay_routes`: a MoE model's routers use the rollout's experts for batches that carry
         `routes` (None: the policy does, a reference does not — see `routing_replay_default`)."""
+        if lora is not None and lora.rank > 0 and lora.base_quantization != "none":
+            from .qlora_spec import for_quantized_base
+
+            recipe = for_quantized_base(recipe)   # QLoRA: local linears that can hold the NF4 base
         self.recipe = recipe
         self.config = recipe.config
         self.micro_batch_size = micro_batch_size

@@ -49,6 +49,9 @@ class ModelRecipe:
     tie_word_embeddings: bool
     rotary_percent: float = 1.0
     """Fraction of each head's dims rotated by RoPE (partial RoPE)."""
+    qlora_spec: Any = None
+    """The model's QLoRA spec (`qlora_spec.QloraSpec`: config → per-stage block builder), whose local
+    linears can hold an NF4 base; the actor builds it for `lora.base_quantization` (None: none)."""
 
 
 def common_config(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype) -> dict[str, Any]:

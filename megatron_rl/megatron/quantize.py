@@ -16,7 +16,9 @@ longer than one layer's matmul. Gradients flow to the layer's input (and so to t
 before it), never to the base.
 
 Transformer Engine linears (the GPU spec) and grouped-GEMM experts keep their weights inside TE's
-own kernels; quantizing those is refused with a clear error rather than silently skipped.
+own kernels; quantizing those is refused with a clear error rather than silently skipped. A QLoRA
+actor is built from the QLoRA spec (`qlora_spec.py`), whose linears are the local ones on every
+device, with TE's norms and attention where TE exists (parameter-free or named `RMSNorm`: not refused).
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ def _refuse_unsupported(name: str, module: torch.nn.Module) -> None:
         raise QuantizationError(
             f"{name} ({kind}): a quantized base has a code path only for megatron-core's local "
             "linears (ColumnParallelLinear / RowParallelLinear, SequentialMLP experts); build the "
-            "model with the local spec to use lora.base_quantization")
+            "model from the QLoRA spec (megatron/qlora_spec.py `for_quantized_base`, as the actor does "
+            "for lora.base_quantization)")
 
 
 def _frozen_like(data: torch.Tensor, like: torch.Tensor) -> torch.nn.Parameter:

@@ -12,7 +12,13 @@ Pure Python, like the rest of the planner. With `lora.rank` r > 0 (see `megatron
   and Adam states like any trained parameter, sharded by the distributed optimizer over DP;
 * the reference policy is the base with the adapters switched off: no second copy;
 * a quantized layer is dequantized for its matmul, forward and backward: the largest linear
-  weight of a GPU exists once more, briefly, in the training dtype.
+  weight of a GPU exists once more, briefly — with torchao's decoder's working set
+  (`dequantize_bytes_per_param`).
+
+QLoRA builds the model from its own spec (`megatron/qlora_spec.py`): local linears and per-expert
+SequentialMLPs, so one expert's weight is dequantized at a time (the largest linear is one expert's
+fc1, not a layer's grouped experts); TE's norms and TE's flash attention, so the activation model of
+`memory.py` (flash attention: no s² scores) holds as for the TE spec.
 """
 
 from __future__ import annotations
@@ -22,6 +28,18 @@ from dataclasses import dataclass
 
 from ..nf4 import nf4_bytes_per_param
 from .params import Block, Dims, Layer, ModelParams, Shard
+
+DEQUANTIZE_INDEX_BYTES = 8
+"""torchao's `NF4Tensor.get_original_weight` (0.18, nf4_tensor.py:855-881) widens both 4-bit codes
+of every byte to int64 (2 × n/2 × 8 bytes) and holds them while it builds the looked-up values, the
+scaled values and the stacked result (3 × n in the weight's dtype): peak (8 + 3·dtype bytes) per
+weight, measured with torch's memory profiler on CPU (14.0 bf16, 20.1 fp32)."""
+
+
+def dequantize_bytes_per_param(param_bytes: int) -> int:
+    """Transient bytes per weight of dequantizing one NF4 linear (its dense result included)."""
+    return DEQUANTIZE_INDEX_BYTES + 3 * param_bytes
+
 
 QUANTIZED_COMPONENTS: tuple[str, ...] = ("attention", "linear_attention", "dense_mlp", "moe_experts",
                                          "shared_experts")
@@ -79,7 +97,7 @@ class StageParams:
     quantized: float
     """Of those, parameters stored quantized."""
     transient_bytes: float
-    """Dequantized copy of the largest quantized linear, live during its matmul."""
+    """Dequantizing the largest quantized linear: its dense copy and the decoder's working set."""
 
 
 def _quantizable(b: Block) -> bool:
@@ -100,6 +118,7 @@ def stage_params(params: ModelParams, layers: Sequence[Layer], blocks: Sequence[
     quantized = transient = 0.0
     if quantization == "nf4":
         quantized = sum(b.per_gpu(tp, ep, etp) for b in blocks if _quantizable(b))
-        transient = largest_linear(d, gated, layers, tp, etp) * param_bytes if quantized else 0.0
+        transient = largest_linear(d, gated, layers, tp, etp) * dequantize_bytes_per_param(param_bytes) \
+            if quantized else 0.0
     base = (dense + expert - quantized) * param_bytes + quantized * nf4_bytes_per_param(param_bytes)
     return StageParams(base + adapters * param_bytes, adapters, 0.0, dense + expert, quantized, transient)

@@ -6,7 +6,10 @@ refuse first, checked over every production recipe (gpu-readiness-audit-2 #6, #7
 - `ipc` beyond one trainer node (the other nodes' GPUs are invisible to rank 0) or without
   colocation;
 - LoRA/QLoRA with `sleep_level: 2` (the wake refills only the adapted tensors);
-- QLoRA on a GPU job (the TE spec's linears cannot hold an NF4 base; no QLoRA spec yet).
+- LoRA on experts over TE's grouped GEMM (no per-expert linears).
+
+QLoRA on a GPU job is accepted (#8): the actor builds the QLoRA spec (`megatron/qlora_spec.py`),
+whose local linears hold the NF4 base, with per-expert linears, TE's norms and flash attention.
 """
 
 from __future__ import annotations
@@ -74,20 +77,26 @@ def test_lora_with_sleep_level_2_is_refused(recipe: Path) -> None:
 
 
 @pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
-def test_qlora_is_refused_on_gpu_jobs_until_a_qlora_spec_exists(recipe: Path) -> None:
+def test_qlora_is_accepted_on_gpu_jobs_under_the_qlora_spec(recipe: Path) -> None:
     qlora = () if recipe.stem == "gspo_qlora" else ("lora.rank=8", "lora.targets=[q,k,v,o]",
                                                      "lora.base_quantization=nf4")
-    (msg,) = errors(recipe, *qlora)["lora-base-quantization"]
-    assert "'nf4' on a GPU job" in msg and "Transformer-Engine" in msg
-    # The same recipe as a CPU job (the tiny QLoRA runs) is not refused by this rule.
+    got = errors(recipe, *qlora)
+    assert load_recipe(recipe, list(qlora)).gpus_per_node > 0          # a GPU job
+    assert "lora-base-quantization" not in got, got
+    if recipe.stem == "gspo_qlora":          # the published QLoRA run validates as it stands
+        assert got == {}
+    # As a CPU job (the tiny QLoRA runs) too.
     assert "lora-base-quantization" not in errors(recipe, *qlora, "slurm.gpus_per_node=0")
+    # What has no code path is still refused by name, on GPU jobs as on CPU jobs.
+    (msg,) = errors(recipe, *qlora, "lora.base_quantization=fp8")["lora-base-quantization"]
+    assert "'fp8' has no code path" in msg
 
 
 @pytest.mark.parametrize(("recipe", "override", "rule"), [
     ("qwen3_next_80b_a3b/grpo.yaml", "rollout.weight_transfer=nccl", "[weight-transfer]"),
     ("qwen3_next_80b_a3b/chord.yaml", "rollout.weight_transfer=ipc", "[weight-transfer]"),
     ("qwen3_235b_a22b/gspo_qlora.yaml", "rollout.sleep_level=2", "[lora-sleep]"),
-    ("qwen3_235b_a22b/gspo_qlora.yaml", "lora.base_quantization=nf4", "[lora-base-quantization]"),
+    ("qwen3_235b_a22b/gspo_qlora.yaml", "lora.base_quantization=fp8", "[lora-base-quantization]"),
 ])
 def test_dry_run_and_validate_refuse(capsys: pytest.CaptureFixture[str], recipe: str, override: str,
                                      rule: str) -> None:
@@ -100,6 +109,15 @@ def test_dry_run_and_validate_refuse(capsys: pytest.CaptureFixture[str], recipe:
     assert rule in out.out + out.err
 
 
+def test_dry_run_and_validate_accept_the_published_qlora_run(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(REPO / "recipes/qwen3_235b_a22b/gspo_qlora.yaml")
+    assert main(["train", "--dry-run", path, "--no-check-paths"]) == 0
+    out = capsys.readouterr()
+    assert "preflight passed (0 errors" in out.out and "[lora-base-quantization]" not in out.out + out.err
+    assert main(["recipe", "validate", path, "--no-check-paths"]) == 0
+    assert "valid (0 errors" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
 def test_lora_on_experts_is_refused_on_gpu_jobs(recipe: Path) -> None:
     """Found with this audit: TE's grouped-GEMM experts have no per-expert linears for adapters."""
@@ -108,3 +126,6 @@ def test_lora_on_experts_is_refused_on_gpu_jobs(recipe: Path) -> None:
     got = errors(recipe, *experts).get("lora-targets", [])
     assert any("'experts' on a GPU job" in m for m in got), got
     assert not any("GPU job" in m for m in errors(recipe, *experts, "slurm.gpus_per_node=0").get("lora-targets", []))
+    # Under QLoRA the spec runs the experts as per-expert local linears: adapters have modules to hook.
+    qlora = errors(recipe, *experts[:-1], "lora.base_quantization=nf4")
+    assert "lora-targets" not in qlora and "lora-base-quantization" not in qlora, qlora

@@ -1,5 +1,5 @@
 """tools/gpu_smoke.sh stays alive in CI: on the CPU it runs the same checks as on a GPU (the world
-group, devices, log-probs vs float64, a GRPO step, the NaN guard, QLoRA's NF4 base on the local
+group, devices, log-probs vs float64, a GRPO step, the NaN guard, QLoRA's NF4 base on the QLoRA
 spec) and prints one JSON line."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ def test_gpu_smoke_runs_on_cpu_and_prints_one_json_line() -> None:
     assert report["device"] == "cpu" and report["dtype"] == "bf16"
     assert report["world"] == {"backend": "gloo", "local_rank": 0, "bound_device": "cpu", "all_reduce_cpu": 3.0}
     assert report["qwen3_moe_qlora"]["nf4_modules"] > 0 and report["qwen3_moe_qlora"]["only_adapters_moved"]
+    # The QLoRA spec (its local pieces here): the NF4 base lives in megatron-core's local linears.
+    assert report["qwen3_moe_qlora"]["spec"] == "qlora-local"
+    assert report["qwen3_moe_qlora"]["nf4_holder_classes"] == ["ColumnParallelLinear", "RowParallelLinear"]
     for model in ("qwen3_moe", "qwen3_next", "qwen3_moe_qlora"):
         r = report[model]
         assert r["param_devices"] == ["cpu"] and r["batch_devices"] == ["cpu"]

@@ -255,6 +255,17 @@ def test_quantized_base_needs_a_rank_and_a_code_path() -> None:
     assert rule not in findings("grpo.yaml")
 
 
+def test_qlora_and_expert_adapters_on_a_gpu_job() -> None:
+    """A GPU job builds QLoRA from its spec (local linears, per-expert MLPs): accepted; LoRA on the
+    experts of the bf16 base stays refused there (TE's grouped GEMM has no per-expert linears)."""
+    gpu_job = ("slurm.gpus_per_node=null", "lora.rank=8")     # = parallelism.gpus_per_node (1)
+    assert findings("grpo.yaml", *gpu_job, "lora.base_quantization=nf4") == {}
+    assert findings("grpo.yaml", *gpu_job, "lora.base_quantization=nf4", "lora.targets=[q,experts]") == {}
+    (msg,) = findings("grpo.yaml", *gpu_job, "lora.targets=[q,experts]")["lora-targets"]
+    assert msg.startswith("error|lora.targets|'experts' on a GPU job") and "base_quantization: nf4" in msg
+    assert "lora-targets" not in findings("grpo.yaml", "lora.rank=8", "lora.targets=[q,experts]")   # CPU job
+
+
 def test_lora_with_sleep_level_2_is_refused() -> None:
     (msg,) = findings("grpo.yaml", "lora.rank=8", "rollout.sleep_level=2")["lora-sleep"]
     assert msg.startswith("error|rollout.sleep_level|2 drops the servers' weights")

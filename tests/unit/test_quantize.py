@@ -1,4 +1,5 @@
-"""QLoRA's NF4 base on real megatron-core (one rank, gloo on CPU): log-probs, gradients, bytes."""
+"""QLoRA's NF4 base on real megatron-core (one rank, gloo on CPU): log-probs, gradients, bytes.
+The models are built from the QLoRA spec (`megatron/qlora_spec.py`), as the actor builds them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from megatron_rl.megatron.actor import init_parallel  # noqa: E402
 from megatron_rl.megatron.devices import init_distributed  # noqa: E402
 from megatron_rl.megatron.gpt import build_gpt_model  # noqa: E402
 from megatron_rl.megatron.lora import apply_lora, merged_deltas  # noqa: E402
+from megatron_rl.megatron.qlora_spec import for_quantized_base  # noqa: E402
 from megatron_rl.megatron.quantize import (  # noqa: E402
     QuantizationError,
     dequantize,
@@ -29,6 +31,7 @@ from megatron_rl.megatron.quantize import (  # noqa: E402
 )
 from megatron_rl.models import build_model  # noqa: E402
 from megatron_rl.nf4 import nf4_bytes  # noqa: E402
+from megatron_rl.planner.lora import dequantize_bytes_per_param  # noqa: E402
 
 FIELDS = yaml.safe_load((REPO / "recipes/tiny/base.yaml").read_text())["model"]["tiny"]
 # The on-the-fly path against a dense model holding the same dequantized weights: only fp32
@@ -43,7 +46,7 @@ LOGIT_REL_RMS = 0.2
 
 
 def _model() -> Any:
-    model = build_gpt_model(build_model(dict(FIELDS), ParallelismConfig(), torch.float32))
+    model = build_gpt_model(for_quantized_base(build_model(dict(FIELDS), ParallelismConfig(), torch.float32)))
     for name, p in model.named_parameters():        # a frozen base; the embedding stands in for
         p.requires_grad_(name.startswith("embedding"))   # the trainable adapters upstream of the linears
     return model
@@ -123,6 +126,30 @@ def test_nf4_forward_is_the_dequantized_model_and_close_to_the_original(models: 
     assert 0 < rel <= LOGIT_REL_RMS, float(rel)
     # The base never gets a gradient: only the (trainable) embedding does.
     assert [n for n, p in quant.named_parameters() if p.grad is not None] == ["embedding.word_embeddings.weight"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_dequantizing_costs_what_the_planner_counts(dtype: torch.dtype) -> None:
+    """The planner's transient term (planner/lora.py) against torchao's decoder, measured with
+    torch's memory profiler: the running sum of every op's own allocations, peak per weight."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_rl.megatron.quantize import to_nf4
+
+    weight = torch.randn(256, 1024, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    q = to_nf4(weight)
+    assert q is not None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        dense = dequantize(q)
+    steps = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.profiler.function_events
+                   if e.self_cpu_memory_usage)
+    running = peak = 0
+    for _, delta in steps:
+        running += delta
+        peak = max(peak, running)
+    assert dense.dtype == dtype
+    measured = peak / weight.numel()
+    assert dequantize_bytes_per_param(dense.element_size()) == pytest.approx(measured, abs=0.25), measured
 
 
 def test_refuses_a_scheme_without_a_code_path(models: tuple) -> None:

@@ -8,6 +8,8 @@ sigmoid-gated shared expert. Megatron's own hybrid builder
 local (CPU) block is assembled here from the same pieces: the local GPT layer spec for attention and
 MLP, and GatedDeltaNet with plain ColumnParallel/RowParallel linears and a separate input norm in
 place of TE's fused norm+linear. With TE and CUDA the official builder is used (not testable here).
+QLoRA (`lora.base_quantization`) builds the local layers everywhere, with TE's norms and attention
+where TE exists (`megatron/qlora_spec.py`): GDN's in_proj / out_proj are then plain linears too.
 
 Not supported: multi-token prediction (the `mtp.*` tensors of the released checkpoints are not
 loaded, as transformers does), THD packed sequences on CPU, context parallelism on CPU.
@@ -16,6 +18,7 @@ loaded, as transformers does), THD packed sequences on CPU, context parallelism 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ import torch
 from ...config.schema import ParallelismConfig
 from ...megatron import cpu_compat
 from ...megatron.gpt import ModelRecipe, common_config, model_recipe, moe_config, use_transformer_engine
+from ...megatron.qlora_spec import qlora_block
 from ...megatron.sections import GDN_SHARDED_KEYS, TP_SECTIONS_ATTR
 from ...model_config import num_experts, rope_parameters
 from .layers import ARCH, LINEAR, layer_types
@@ -178,4 +182,7 @@ def qwen3_next(hf: dict[str, Any], layout: ParallelismConfig, dtype: torch.dtype
     types = layer_types(hf)
     recipe = model_recipe(hf, config, lambda vp_stage: block_spec(config, types, vp_stage))
     recipe.rotary_percent = partial_rotary_factor(hf)
+    # QLoRA: the local layers (GDN's in_proj / out_proj plain linears, its own input norm) with TE's
+    # norms and attention where TE exists; never megatron's hybrid builder, which is TE linears only.
+    recipe.qlora_spec = lambda cfg: partial(qlora_block, cfg, _local_layer_specs(cfg, types))
     return recipe
