@@ -155,7 +155,10 @@ def run_model(name: str, hf: dict[str, Any], dtype: torch.dtype) -> dict[str, An
         out["nf4_modules"] = len(actor.quantization.quantized)
         modules = dict(unwrap(actor.model).named_modules())
         out["nf4_holder_classes"] = sorted({type(modules[m]).__name__ for m in actor.quantization.quantized})
-        out["spec"] = "qlora-te" if use_transformer_engine() else "qlora-local"
+        # Read from the built modules, not from the switch that chose them (audit 5 #7).
+        out["spec"] = "qlora-te" if any(type(m).__name__ == "TEDotProductAttention" for m in modules.values()) \
+            else "qlora-local"
+        out["te_expected"] = use_transformer_engine()
     before = _snapshot(actor.model)
     cfg = AlgorithmConfig(kl_beta=0.05)
     step = actor.train_step(batch, cfg, temperature=TEMPERATURE, rl_step=0)
@@ -197,6 +200,9 @@ def _failures(name: str, r: dict[str, Any], device: str) -> list[str]:
         checks["the NF4 base in local linears (the QLoRA spec)"] = \
             set(r.get("nf4_holder_classes", ["?"])) <= {"ColumnParallelLinear", "RowParallelLinear"}
         checks["a step moves the adapters only"] = r.get("only_adapters_moved") is True
+        # With TE importable the spec must hold TE's norms and attention (audit 5 #7).
+        checks["the QLoRA spec's TE pieces where TE is installed"] = \
+            r.get("spec") == ("qlora-te" if r.get("te_expected") else "qlora-local")
     return [f"{name}: {what}" for what, ok in checks.items() if not ok]
 
 

@@ -339,7 +339,7 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
                            "lora.targets 'experts' needs expert_tensor_parallel_size 1 (it defaults to the TP size)"))
     if "experts" in lo.targets and cfg.gpus_per_node and (hf is None or num_experts(hf)) \
             and lo.base_quantization == "none":
-        # The GPU build groups a layer's experts into TE's grouped GEMM (`providers._moe_config`),
+        # The GPU build groups a layer's experts into TE's grouped GEMM (`megatron/gpt.py::moe_config`),
         # which has no per-expert linears to hook (`megatron/lora.py` raises after the model build).
         # QLoRA's spec (`megatron/qlora_spec.py`) runs them as SequentialMLP over local linears.
         out.append(Finding("error", "lora-targets", "lora.targets",

@@ -331,6 +331,10 @@ def start_or_attach(cfg: RecipeConfig, run_dir: Path, model_dir: str, extra_args
             for name in ("server.json", ERROR_FILE):
                 (node_dir(run_dir, pos.node) / "rollout" / name).unlink(missing_ok=True)
         remove_stale_and_say("" if external else f"node {pos.node}: ")
+    # The actor was built (QLoRA: in bf16, then quantized) before the servers start: hand the
+    # allocator's freed blocks back first, on every rank, or a colocated vLLM sees too little free
+    # memory and refuses to start (vllm/v1/worker/utils.py:760-769; audit 5 #1).
+    release_cached_gpu_memory()
     dist.barrier()
     own = _start_own(cfg, run_dir, model_dir, extra_args, pos) if pos.local_rank == 0 and not external else None
     if dist.get_rank() != 0:

@@ -145,7 +145,7 @@ class Capture:
 
 def merged_sync(hf: dict[str, Any], quant: Any, twin: Any, dtype: torch.dtype) -> dict[str, Any]:
     """QLoRA's first sync (every tensor, adapters merged into the dequantized base, as
-    `train/lora_run.sync` sends it) against the float64 twin's merged weights."""
+    `sync/lora.py::sync_actor` sends it) against the float64 twin's merged weights."""
     adapter = weight_map(hf)
     got, want = Capture(), Capture()
     with merged_deltas(quant):
