@@ -195,7 +195,7 @@ class RolloutConfig:
     """Bound on the mean |Δ log-prob| of the post-sync verification, fixed; None = self-calibrated:
     the noise floor measured at start-up on tokens the server sampled, with the same weights on both
     sides, times a factor, never below the bounds of the training dtype (mean, 90th percentile and,
-    in fp32, max: `train/verification.py`)."""
+    in fp32, max: `sync/verify.py`)."""
     cpu_kvcache_gb: int = spec(1, ge=1)
     """VLLM_CPU_KVCACHE_SPACE on CPU runs (GiB)."""
     routing_replay: bool = False
