@@ -21,8 +21,8 @@ env:
 demo: env
 	$(PY) -m megatron_rl.cli demo
 
-# Everything, as CI runs it (.ci/run): the four tiers of tests/ (CONTRIBUTING.md). About 15 min
-# on 2 cores, most of it in the integration and e2e tiers.
+# Everything, as CI runs it (.ci/run): the four tiers of tests/ (CONTRIBUTING.md), in two workers;
+# most of the time goes to the integration and e2e tiers (their vLLM server starts).
 test: env
 	$(PYTEST) $(PYTEST_ARGS)
 
