@@ -12,13 +12,12 @@ fails here.
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.imports import imports_of, module_name
 from tests.mp.launch import REPO
 
 PKG = REPO / "megatron_rl"
@@ -26,35 +25,7 @@ REGISTRY = "megatron_rl.models"
 SPEC = "megatron_rl.models.model_spec"
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports(path: Path) -> set[str]:
-    """Every megatron_rl module `path` imports (relative imports resolved; `from x import y` counts
-    as x.y when that is a module, else x)."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([base] if base else []))
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                is_module = (REPO / Path(*full.split("."))).with_suffix(".py").is_file() or \
-                    (REPO / Path(*full.split(".")) / "__init__.py").is_file()
-                out.add(full if is_module else base)
-    return {m for m in out if m == "megatron_rl" or m.startswith("megatron_rl.")}
-
-
-MODULES = {_module_name(p): _imports(p) for p in PKG.rglob("*.py")}
+MODULES = {module_name(p): imports_of(p) for p in PKG.rglob("*.py")}
 
 
 def _under(module: str, prefix: str) -> bool:
