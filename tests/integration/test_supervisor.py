@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def test_a_server_killed_at_any_call_of_a_sync_reseed_or_verify_comes_back_with_
         server.arm("mrl_reseed")
         assert supervisor.call("the per-step reseed", server.rpc, "mrl_reseed", "77") == ["77"]
         supervisor.expected = ProbeExpectation(version, sequences, [e.tolist() for e in expect_new], 1e-4)
-        client = RolloutClient.for_server(server, max_retries=3, on_failure=supervisor)
+        client = RolloutClient.for_server(server, replace(server.cfg, max_retries=3), on_failure=supervisor)
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
         got = supervisor.call("the sync verification", client.prompt_logprobs, sequences)
