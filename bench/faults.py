@@ -3,7 +3,13 @@ at a chosen moment of many steps, covering every phase, plus one SIGKILL of the 
 by `--resume`. Prints JSON: faults injected / survived, steps lost / logged twice, the listening
 sockets seen during the run that were not on loopback, and /dev/shm files left behind.
 
-    python bench/faults.py [--steps 20] [--seed 0] [--out DIR] [--json-out FILE]
+    python bench/faults.py [--steps 20] [--seed 0] [--max-staleness K] [--out DIR] [--json-out FILE]
+
+`--max-staleness 1` runs the same plan with asynchronous rollout (`rollout.max_staleness: 1`,
+placement disaggregated, the trainer starting its server itself so that its supervisor may restart
+it): the servers generate the next step while the trainer trains, so a kill at an "idle" moment of
+the trainer (log-probs, training, checkpoint) now lands in the middle of a generation, and the
+phase's step is the step the servers were generating for.
 
 The trainer runs in a child process (`--child`) that wraps a few functions to know which phase it
 is in and kills the real server there; nothing is mocked. Phases: the per-step reseed, mid-
@@ -29,6 +35,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -85,21 +92,34 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.server import RolloutServer
     from megatron_rl.sync.shm import SegmentWriter
+    from megatron_rl.train import loop
     from megatron_rl.train.fleet import RolloutFleet
     from megatron_rl.train.loop import train
 
-    state: dict[str, Any] = {"step": 0, "server": None, "done": set(), "in_verify": False, "answered": 0}
+    # The step a phase belongs to: the one being generated (the rollout producer's thread, or the
+    # loop's own generation) or the one being trained; the same step in the synchronous loop. A
+    # bring-back phase belongs to the step of the kill whose server is being brought back.
+    state: dict[str, Any] = {"generating": 0, "training": 0, "killed_at": 0, "server": None, "done": set(),
+                             "in_verify": False, "answered": 0}
+
+    def step_of(phase: str) -> int:
+        if phase in BRING_BACK:
+            return int(state["killed_at"])
+        producer = threading.current_thread().name == "rollout-ahead"
+        return int(state["generating"] if producer or phase in ("reseed", "generate") else state["training"])
 
     def inject(phase: str) -> None:
-        key = (state["step"], phase)
+        step = step_of(phase)
+        key = (step, phase)
         server = state["server"]
-        if phase not in plan.get(state["step"], []) or key in state["done"] or server is None or server.proc is None:
+        if phase not in plan.get(step, []) or key in state["done"] or server is None or server.proc is None:
             return
         if server.proc.poll() is not None:
             return      # killed earlier and not yet noticed: no kill of its own (reported as never reached)
         state["done"].add(key)
+        state["killed_at"] = step
         with open(log_path, "a") as f:
-            f.write(json.dumps({"step": state["step"], "phase": phase, "pid": server.proc.pid,
+            f.write(json.dumps({"step": step, "phase": phase, "pid": server.proc.pid,
                                 "restarts": server.restarts, "trainer_pid": os.getpid(), "t": time.time()}) + "\n")
         os.killpg(server.proc.pid, signal.SIGKILL)
 
@@ -122,9 +142,16 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     reseed = RolloutFleet.reseed
 
     def reseed_at(self: RolloutFleet, step: int) -> None:
-        state["step"], state["answered"] = step, 0
+        state["generating"], state["answered"] = step, 0
         reseed(self, step)
     RolloutFleet.reseed = reseed_at               # type: ignore[method-assign]
+
+    learn = loop.learn
+
+    def learn_at(*args: Any, **kwargs: Any) -> Any:
+        state["training"] = kwargs["step"] if "step" in kwargs else args[5]
+        return learn(*args, **kwargs)
+    loop.learn = learn_at                         # looked up by `train` at each step
 
     client_post = RolloutClient._post
 
@@ -225,7 +252,8 @@ def server_pids(run: Path) -> set[int]:
 
 def launch(args: argparse.Namespace, run_name: str, resume: bool) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--seed", str(args.seed),
-           "--out", str(args.out), "--run-name", run_name] + (["--resume"] if resume else [])
+           "--max-staleness", str(args.max_staleness), "--out", str(args.out),
+           "--run-name", run_name] + (["--resume"] if resume else [])
     log = open(args.out / f"{run_name}.{'resumed' if resume else 'first'}.log", "w")
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
@@ -252,7 +280,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    run_name = f"faults-{int(time.time())}"
+    run_name = f"faults-{int(time.time())}" + (f"-async{args.max_staleness}" if args.max_staleness else "")
     run = args.out / run_name
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     bad: set[str] = set()
@@ -271,6 +299,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
     survived = sum(1 for i in injections if _survived(i, rows, finished, killed))
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     out = {
+        "max_staleness": args.max_staleness,
         "injected": len(injections) + (1 if killed else 0),
         "survived": survived + (1 if killed and finished else 0),
         "steps_lost": sorted(set(range(1, args.steps + 1)) - set(counts)),
@@ -332,6 +361,14 @@ def shm_left(new: set[str]) -> list[str]:
                   and (shm.SHM / n).exists() and not shm.in_use(shm.SHM / n, mapped))
 
 
+def async_overrides(max_staleness: int) -> list[str]:
+    """The recipe keys of the asynchronous run (none for the synchronous one)."""
+    if not max_staleness:
+        return []
+    return [f"rollout.max_staleness={max_staleness}", "rollout.placement=disaggregated", "rollout.nodes=1",
+            "algorithm.correction.mode=tis_token"]
+
+
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
@@ -342,6 +379,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "faults")
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--max-staleness", type=int, default=0,
+                    help="0: the synchronous loop; k >= 1: asynchronous rollout, k versions ahead")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-name", help=argparse.SUPPRESS)
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
@@ -350,7 +389,7 @@ def main() -> None:
     if args.child:
         overrides = SMALL + [f"trainer.max_steps={args.steps}", f"checkpoint.save_interval={SAVE_INTERVAL}",
                              f"logging.output_dir={args.out}", f"logging.run_name={args.run_name}",
-                             "logging.tensorboard=false"]
+                             "logging.tensorboard=false"] + async_overrides(args.max_staleness)
         sys.exit(child(str(REPO / "recipes" / "tiny" / "grpo.yaml"), overrides, schedule(args.steps, args.seed),
                        args.out / args.run_name / "injections.jsonl", args.resume))
     result = driver(args)

@@ -286,6 +286,30 @@ def _sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return []
 
 
+@rule("async-rollout")
+def _async_rollout(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    # The servers generate while the trainer computes: on shared GPUs (colocated) both would fight
+    # for the same memory and SMs, and a sleeping server cannot generate ahead (`train/ahead.py`).
+    r = cfg.rollout
+    if not r.max_staleness:
+        return []
+    if r.placement != "disaggregated":
+        return [Finding("error", "async-rollout", "rollout.max_staleness",
+                        f"{r.max_staleness} makes the servers generate while the trainer trains, but placement is "
+                        f"'{r.placement}': colocated servers share the trainer's GPUs; use placement "
+                        "'disaggregated' (with rollout.nodes) or max_staleness 0")]
+    if r.sleep_level is not None:
+        return [Finding("error", "async-rollout", "rollout.sleep_level",
+                        f"{r.sleep_level}: a sleeping server cannot generate the next steps while the trainer "
+                        f"trains (rollout.max_staleness {r.max_staleness}); set sleep_level to null")]
+    if cfg.algorithm.correction.mode == "none":
+        return [Finding("warning", "async-rollout", "algorithm.correction.mode",
+                        f"'none' with rollout.max_staleness {r.max_staleness}: samples come from weights up to "
+                        f"{r.max_staleness} version(s) older than π_old, and nothing corrects for it (use "
+                        "'tis_token' or 'mask_token')")]
+    return []
+
+
 @rule("lora-sleep")
 def _lora_sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     # Level 2 drops the server's weights; a LoRA sync after the wake sends only the adapted tensors

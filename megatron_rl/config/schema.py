@@ -150,6 +150,14 @@ class RolloutConfig:
     """vLLM expert parallelism (EP = TP × DP inside the server)."""
     data_parallel_size: int = spec(1, ge=1)
     """vLLM data-parallel replicas per server."""
+    max_staleness: int = spec(0, ge=0)
+    """Asynchronous rollout: how many weight versions a trained sample may lag behind the policy
+    being updated. 0 = the synchronous loop (generate, then train, then sync). k >= 1: rank 0 keeps
+    the servers generating up to k steps ahead while the trainer learns; each step's batch is
+    generated on one weight version (a sync waits for the batch in flight), a sample more than k
+    versions old is dropped and its prompt regenerated, and the importance correction
+    (`algorithm.correction`) compares π_old with the servers' behaviour log-probs. Needs
+    `placement: disaggregated` and no `sleep_level` (`train/ahead.py`)."""
     sleep_level: Literal[0, 1, 2] | None = None
     """Put every server to sleep (vLLM's /sleep) while the trainer computes log-probs and trains, and
     wake it before the weight sync; None = never. 0 pauses scheduling only, 1 also offloads the

@@ -202,6 +202,9 @@ def kl_estimate(
 # Masked tokens keep counting in the global denominators (weight 0, like a TIS
 # weight), so the caller's denominators stay independent of the correction.
 # Only the policy-gradient term is weighted; the KL and entropy terms are not.
+# With asynchronous rollout (`rollout.max_staleness` > 0) logp_rollout comes from
+# weights up to k versions older than π_old, so δ_t also measures the staleness
+# (`LossInputs`); the same weights correct for both.
 
 CorrectionFn = Callable[[Tensor, Tensor, CorrectionConfig], tuple[Tensor | None, Metrics]]
 CORRECTIONS: Registry[CorrectionFn] = Registry("mismatch correction mode")

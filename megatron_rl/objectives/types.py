@@ -20,8 +20,15 @@ class LossInputs:
     ``advantages`` is ``[B]`` (one value per sequence) or ``[B, T]`` (per token).
     ``old_logprobs`` are the trainer's log-probs of the behaviour policy,
     ``rollout_logprobs`` the inference engine's; their gap is what the mismatch
-    correction acts on. ``sft_logprobs``/``sft_mask`` (``[B', T']``) are the expert
-    stream of CHORD: log-probs of the demonstration tokens under the current policy.
+    correction acts on. With asynchronous rollout (``rollout.max_staleness`` k >= 1)
+    π_old is the policy being updated — the trainer's log-probs at its current
+    weights, before this step's updates — while the samples came from weights up to
+    k versions older: ``rollout_logprobs`` are then the behaviour policy's own, and
+    the correction weights π_old/π_rollout cover both the engine mismatch and the
+    staleness (the decoupled objective of AReaL-style asynchronous PPO: the clip
+    keeps the update near π_old, the correction reweights toward it).
+    ``sft_logprobs``/``sft_mask`` (``[B', T']``) are the expert stream of CHORD:
+    log-probs of the demonstration tokens under the current policy.
     """
 
     logprobs: Tensor

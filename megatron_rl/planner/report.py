@@ -66,6 +66,9 @@ def _time_rows(t: StepTime) -> list[str]:
     rows += [f"  {p.label:<44} {p.seconds:>8.1f}  {p.note}" for p in t.phases]
     rows.append(f"  {'step':<44} {t.seconds:>8.1f}  {t.tokens_per_s_per_gpu:.1f} tokens/s/GPU "
                 f"({t.tokens / 1e6:.2f} M prompt + response tokens)")
+    if t.overlapped:
+        rows.append("  (asynchronous rollout: the step is the sync plus the longer of the rollout and "
+                    "log-probs + train, which run side by side)")
     if t.modelled:
         rows.append("  modelled although refused here: " + "; ".join(t.modelled))
     return rows
@@ -129,7 +132,8 @@ def _node_json(n: NodeMemory) -> dict[str, Any]:
 
 def _time_json(t: StepTime) -> dict[str, Any]:
     return {"gpu": t.gpu, "gpus": t.gpus, "phases_s": {p.key: round(p.seconds, 3) for p in t.phases},
-            "step_s": round(t.seconds, 3), "tokens_per_s_per_gpu": round(t.tokens_per_s_per_gpu, 2),
+            "step_s": round(t.seconds, 3), "overlapped": t.overlapped,
+            "tokens_per_s_per_gpu": round(t.tokens_per_s_per_gpu, 2),
             "tokens": t.tokens, "modelled": list(t.modelled)}
 
 

@@ -37,10 +37,12 @@ The loop's phases (`train/loop.py`), in order, and how each is modelled:
 
 Gated DeltaNet layers (Qwen3-Next) count through their projections (in the active parameters);
 their chunked recurrence (a few FLOPs per head × key dim × value dim per token) is left out: ~1 %
-of Qwen3-Next's forward. No async mode exists (the rollout of step k + 1 waits for the sync of
-step k), so the step is the sum. Tokens/s/GPU counts prompt + response tokens of every sample,
-over the step and every GPU of the job (trainer and rollout nodes), as NeMo-RL's performance
-summary does. One MFU serves every layout: TP and EP communication are inside it, so
+of Qwen3-Next's forward. The synchronous step is the sum of its phases. With asynchronous rollout
+(`rollout.max_staleness` >= 1) the servers generate step k + 1 while the trainer computes step k's
+log-probs and trains, and start on the weights of step k's sync, which waits for the batch in
+flight: the step is sync + max(rollout, log-probs + train). Tokens/s/GPU counts prompt +
+response tokens of every sample, over the step and every GPU of the job (trainer and rollout
+nodes), as NeMo-RL's performance summary does. One MFU serves every layout: TP and EP communication are inside it, so
 `plan --rank time` tells layouts apart by recompute, pipeline bubble, CPU Adam and gradient sync,
 not by their collectives. Reward scoring, the sync's verification (4 probe sequences) and evaluation every
 `evaluation.interval` steps are left out.
@@ -106,10 +108,17 @@ class StepTime:
     """Prompt + response tokens of the step's samples."""
     modelled: tuple[str, ...] = ()
     """What of the layout the trainer or the servers would refuse, modelled anyway."""
+    overlapped: bool = False
+    """Asynchronous rollout: the rollout runs beside the log-probs and training (`rollout.max_staleness`)."""
 
     @property
     def seconds(self) -> float:
-        return sum(p.seconds for p in self.phases)
+        if not self.overlapped:
+            return sum(p.seconds for p in self.phases)
+        beside = {"rollout", "logprobs", "train"}
+        trainer = self.phase("logprobs").seconds + self.phase("train").seconds
+        serial = sum(p.seconds for p in self.phases if p.key not in beside)
+        return serial + max(self.phase("rollout").seconds, trainer)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -406,4 +415,5 @@ def step_time(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, wl: Wor
               train_seconds(params, cfg, wl, g, hw), sync_seconds(params, cfg, ro, g, hw))
     samples = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
     extra = modelled + ((note,) if note else ())
-    return StepTime(g.name, phases, job_gpus(cfg), samples * wl.sequence_tokens, extra)
+    return StepTime(g.name, phases, job_gpus(cfg), samples * wl.sequence_tokens, extra,
+                    overlapped=cfg.rollout.max_staleness > 0)

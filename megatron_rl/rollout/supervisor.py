@@ -57,6 +57,8 @@ class ServerSupervisor:
         """Restarts in a row (the server dying again while it is brought back) before giving up."""
         self.expected: ProbeExpectation | None = None
         self.lock = threading.RLock()
+        self.closed = False
+        """Set when the run shuts its servers down: a request that fails then is not a crash to repair."""
 
     def __call__(self, error: Exception) -> None:
         """`RolloutClient.on_failure`: between retries of a failed request."""
@@ -75,6 +77,9 @@ class ServerSupervisor:
     def recover(self, error: BaseException, phase: str) -> bool:
         """Restart the server if it is down; False if it is up (the error was not a crash)."""
         with self.lock:
+            if self.closed:
+                raise ServerError(f"{phase} failed while the run was stopping its servers "
+                                  f"({error.__class__.__name__})") from error
             if self.server.alive() and self.server.healthy():
                 return False
             if self.server.external:

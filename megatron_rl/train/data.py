@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -137,6 +137,10 @@ class TrainData:
     prompts: Prompts
     order: DataOrder
     sft: SftRows | None
+    in_flight: list[dict[str, Any]] = field(default_factory=list)
+    """Steps drawn before a checkpoint but not trained (asynchronous rollout), each
+    `{"indices": [...], "order": the order's state right after its draw}`: `draw` hands them out
+    again, first, after a resume."""
 
     @classmethod
     def load(cls, cfg: RecipeConfig, task: LoadedTask, tokenizer_dir: str) -> TrainData:
@@ -162,12 +166,24 @@ class TrainData:
         """A response as the reward functions read it (without special tokens)."""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def draw(self, count: int) -> dict[str, Any]:
+        """The next step's prompts, as an `in_flight` entry: a resumed run's in-flight steps first,
+        then the order."""
+        if self.in_flight:
+            return self.in_flight.pop(0)
+        indices = self.order.next_indices(count)
+        return {"indices": indices, "order": self.order.state()}
+
     def state(self) -> dict[str, Any]:
-        """What a checkpoint records of the data: where each order stands."""
-        return {"order": self.order.state(), "sft_order": self.sft.order.state() if self.sft else None}
+        """What a checkpoint records of the data: where each order stands, and the drawn steps
+        still to hand out."""
+        return {"order": self.order.state(), "sft_order": self.sft.order.state() if self.sft else None,
+                "in_flight": [dict(d) for d in self.in_flight]}
 
     def load_state(self, extra: dict[str, Any]) -> None:
         self.order.load(extra["order"])
+        self.in_flight = [{"indices": [int(i) for i in d["indices"]], "order": dict(d["order"])}
+                          for d in extra.get("in_flight", [])]
         if self.sft and extra.get("sft_order"):
             self.sft.order.load(extra["sft_order"])
 

@@ -130,6 +130,8 @@ class RolloutFleet:
             supervisor.call("the per-step reseed", server.rpc, "mrl_reseed", str(seed))
 
     def close(self) -> None:
+        for supervisor in self.supervisors:     # a request still in flight must not restart a server
+            supervisor.closed = True
         for transport in self.transports:
             transport.close()
         for server in self.servers:
@@ -141,16 +143,20 @@ class RolloutFleet:
     def generate(self, prompts: Prompts, indices: Sequence[int], step: int, version: int) -> list[RolloutGroup]:
         """The step's groups, generated on rank 0 with this step's seed and the servers' weights
         `version` (collective: every rank returns the same groups)."""
-        box: list[Any] = [None]
-        if self.rank0:
-            assert self.client is not None, "rank 0 starts or attaches the servers before the first step"
-            self.reseed(step)
-            box[0] = generate_groups(self.client, [prompts.token_ids[i] for i in indices],
-                                     [prompts.dicts[i] for i in indices], indices, self.cfg.rollout, version)
-            if self.cfg.rollout.routing_replay:
-                attach_routes(self.servers, box[0])      # before the next sync: the same weights
+        box: list[Any] = [self.rollout_rank0(prompts, indices, step, version) if self.rank0 else None]
         dist.broadcast_object_list(box, src=0)
         return list(box[0])
+
+    def rollout_rank0(self, prompts: Prompts, indices: Sequence[int], step: int, version: int) -> list[RolloutGroup]:
+        """Rank 0 only: reseed the servers for `step` and generate the groups of `indices` on the
+        servers' weights `version` (with their routes, when replayed)."""
+        assert self.client is not None, "rank 0 starts or attaches the servers before the first step"
+        self.reseed(step)
+        groups = generate_groups(self.client, [prompts.token_ids[i] for i in indices],
+                                 [prompts.dicts[i] for i in indices], indices, self.cfg.rollout, version)
+        if self.cfg.rollout.routing_replay:
+            attach_routes(self.servers, groups)      # before the next sync: the same weights
+        return groups
 
     def evaluate(self, eval_set: Prompts, task: LoadedTask, version: int,
                  decode: Callable[[list[int]], str]) -> dict[str, float]:

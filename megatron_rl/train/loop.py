@@ -1,5 +1,6 @@
 """`megatron-rl train`: the RL loop. One step: prompts → rollout → rewards/advantages → old/ref
 log-probs → `steps_per_generation` updates → weight sync (+ verification) → metrics → checkpoint.
+With `rollout.max_staleness` > 0 the rollout of the next steps runs meanwhile (`ahead.py`).
 
 Each step is two verbs on the run's objects: `learn` (the servers' rollout → the batch → the
 policy's updates) and `publish` (the updated weights to the servers, verified, and the periodic
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,6 +22,7 @@ from ..schedule import run_schedule
 from ..sync.verify import Gate
 from ..tasks import LoadedTask, resolve_task
 from ..types import TrainBatch
+from .ahead import Rollouts, make_rollouts
 from .batch import ScoredRollout, build_batch, kl_penalty, probe, score_groups, with_advantages
 from .data import Prompts, TrainData, load_eval_set
 from .fleet import RolloutFleet, sync_metrics
@@ -48,6 +51,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     seq_len = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
     forced = probe(data.tokenizer, data.prompts.token_ids, seq_len, data.pad_id, task.task.probe_response)
     eval_set = load_eval_set(cfg, data.tokenizer, task)
+    rollouts = make_rollouts(fleet, data, schedule.prompts_per_rollout, total, cfg.rollout.max_staleness)
     try:
         fleet.start()
         # A resumed run re-sends its checkpointed weights under their own version.
@@ -64,23 +68,26 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             print(startup_summary(cfg, task, policy, fleet, schedule, start, first), flush=True)
         progress = Progress(start + 1, total)
         bad_in_row = 0
+        rollouts.start(start + 1, version)
         for step in range(start + 1, total + 1):
-            learned = learn(cfg, task, data, policy, fleet, schedule.prompts_per_rollout, step, version)
+            learned = learn(cfg, task, data, policy, rollouts, step, version)
             bad_in_row = bad_in_row + 1 if all(u["update_skipped"] for u in learned.updates) else 0
             if bad_in_row >= cfg.trainer.max_bad_steps_in_row:
                 raise Stop(f"{bad_in_row} steps in a row had a non-finite loss or gradient; stopping")
             version += 1
-            published = publish(cfg, task, data, policy, fleet, step, version, (checked, gate), eval_set)
+            with rollouts.servers():
+                published = publish(cfg, task, data, policy, fleet, step, version, (checked, gate), eval_set)
+            rollouts.published(version)
             metrics = learned.metrics(published, version)
-            metrics.update({"data/epoch": data.order.epoch, "data/position": data.order.position})
+            metrics.update({"data/epoch": learned.order["epoch"], "data/position": learned.order["position"]})
             if log is not None:
                 log.log(step, metrics)
             if fleet.rank0 and step % cfg.logging.log_interval == 0:
-                print(console_line(progress.line(step), metrics), flush=True)
+                print(console_line(progress.line(step), metrics, cfg.rollout.max_staleness > 0), flush=True)
             stop = agree_on_stop(signals.reason)
             interval = cfg.checkpoint.save_interval
             if (interval and step % interval == 0) or stop or step == total:
-                run.save(policy.actor, init, step, version, data.state())
+                run.save(policy.actor, init, step, version, rollouts.state())
             if stop:
                 print(f"[train] {stop}: checkpointed step {step}; resume with --resume", flush=True)
                 return run.path
@@ -88,6 +95,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             run.export_hf(policy.actor.model, policy.adapter, init.hf_dir)
         return run.path
     finally:
+        rollouts.close()
         if log is not None:
             log.close()
         fleet.close()
@@ -116,7 +124,12 @@ class Learned:
     routing_metrics: dict[str, float]
     """`routing/*` of the π_old forward (`rollout.routing_replay`), else empty."""
     timings: dict[str, float]
-    """`time/rollout`, `time/reward`, `time/logprobs`, `time/train`."""
+    """`time/rollout` (the trainer's wait for the step's groups), `time/reward`, `time/logprobs`,
+    `time/train`."""
+    rollout_metrics: dict[str, float]
+    """`rollout/staleness_*`, `rollout/dropped_stale` and the two waits (`train/ahead.py`)."""
+    order: dict[str, Any]
+    """The prompt order after this step's draw."""
 
     def metrics(self, published: Published, version: int) -> dict[str, float]:
         timings = {**self.timings, **published.timings}
@@ -124,21 +137,26 @@ class Learned:
                          version)
         m.update(self.task_metrics)
         m.update(self.routing_metrics)
+        # The two waits are not phases of the step: added after `time/step` is summed. Without a
+        # producer (max_staleness 0) the servers are idle for all of the step but its generation.
+        waits = dict(self.rollout_metrics)
+        waits.setdefault("time/rollout_wait_s", m["time/step"] - waits["time/trainer_wait_s"])
+        m.update(waits)
         if self.kl_penalty is not None:
             m["kl_in_reward/mean"] = float(self.kl_penalty.mean())
         return m
 
 
-def learn(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, fleet: RolloutFleet,
-          prompts_per_step: int, step: int, version: int) -> Learned:
-    """Rollout with the servers' weights (`version`) → rewards → old/ref log-probs → advantages →
-    `steps_per_generation` updates (collective; every rank returns the same)."""
+def learn(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, rollouts: Rollouts,
+          step: int, version: int) -> Learned:
+    """The step's rollout (generated now on the servers' weights `version`, or ahead of time on a
+    version at most `rollout.max_staleness` older) → rewards → old/ref log-probs → advantages →
+    `steps_per_generation` updates of policy `version` (collective; every rank returns the same)."""
     a, r = cfg.algorithm, cfg.rollout
     timings: dict[str, float] = {}
-    indices = data.order.next_indices(prompts_per_step)
     with timed(timings, "rollout"):
-        groups = fleet.generate(data.prompts, indices, step, version)
-        fleet.sleep()
+        rollout = rollouts.take(step, version)
+    groups = rollout.groups
     with timed(timings, "reward"):
         scores = score_groups(groups, task, data.decode)
         scored = build_batch(groups, scores, r.max_prompt_length + r.max_response_length, data.pad_id)
@@ -149,7 +167,8 @@ def learn(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, 
                                                 unbiased_std=a.advantage_std == "unbiased", eps=a.advantage_eps)
     with timed(timings, "train"):
         updates = policy.update(batch, step, data.sft)
-    return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing, timings)
+    return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing, timings,
+                   rollout.metrics, rollout.order)
 
 
 def publish(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, fleet: RolloutFleet, step: int,

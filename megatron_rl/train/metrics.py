@@ -30,6 +30,10 @@ CONSOLE_KEYS = (("reward/mean", "reward"), ("accuracy", "acc"), ("format_rate", 
                 ("response_length/mean", "len"), ("kl", "kl"), ("clip_frac", "clip"),
                 ("grad_norm", "gnorm"), ("mismatch/abs_mean", "mism"), ("eval/reward_mean", "eval_reward"),
                 ("eval/accuracy", "eval_acc"), ("time/step", "s"))
+ASYNC_CONSOLE_KEYS = (("rollout/staleness_mean", "stale"), ("time/trainer_wait_s", "wait"),
+                      ("time/rollout_wait_s", "idle"))
+"""Added with `rollout.max_staleness` > 0: how old the trained samples were, how long the trainer
+waited for them and how long the servers had nothing to generate."""
 
 
 # ------------------------------------------------------------------------------ one step
@@ -141,10 +145,10 @@ class MetricsLog:
             self.tb.close()
 
 
-def console_line(progress: str, metrics: dict[str, float]) -> str:
+def console_line(progress: str, metrics: dict[str, float], asynchronous: bool = False) -> str:
     """One step: the progress bar (`console.Progress.line`), then the headline metrics."""
     parts = [progress]
-    for key, short in CONSOLE_KEYS:
+    for key, short in CONSOLE_KEYS + (ASYNC_CONSOLE_KEYS if asynchronous else ()):
         if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
             parts.append(f"{short} {metrics[key]:.3g}")
     return " | ".join(parts)

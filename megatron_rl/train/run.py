@@ -109,11 +109,12 @@ class RunDir:
         return self.path / "checkpoints"
 
     def save(self, actor: Actor, init: InitCheckpoint, step: int, version: int, state: dict[str, Any]) -> Path:
-        """Checkpoint step `step` with the data orders' `state` (collective; rank 0 prunes to
-        `checkpoint.keep_last`)."""
+        """Checkpoint step `step` with the data `state` (`TrainData.state`: the orders and the
+        steps drawn but not trained) (collective; rank 0 prunes to `checkpoint.keep_last`)."""
         from ..megatron import checkpoint
 
         extra = {"step": step, "order": state["order"], "version": version, "sft_order": state["sft_order"],
+                 "in_flight": state.get("in_flight", []),
                  "py_random": _encode_random_state(), **lora_extra(self.cfg, init.path, init.hf_dir)}
         path = checkpoint.save_checkpoint(actor, self.checkpoints / f"step_{step:08d}", extra)
         if dist.get_rank() == 0:

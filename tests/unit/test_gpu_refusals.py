@@ -38,7 +38,16 @@ def errors(recipe: Path, *overrides: str) -> dict[str, list[str]]:
 def test_every_production_recipe_is_listed() -> None:
     assert {p.parent.name + "/" + p.stem for p in PRODUCTION} == {
         f"qwen3_next_80b_a3b/{a}" for a in ("grpo", "gspo", "chord")} | {
-        f"qwen3_235b_a22b/{a}" for a in ("grpo", "gspo", "chord", "gspo_qlora")}
+        f"qwen3_235b_a22b/{a}" for a in ("grpo", "gspo", "chord", "gspo_qlora", "grpo_async")}
+
+
+def test_async_rollout_is_refused_on_the_colocated_layouts() -> None:
+    # The published Qwen3-Next recipes colocate their servers: generating while the trainer runs
+    # would share its GPUs.
+    for recipe in PRODUCTION:
+        got = errors(recipe, "rollout.max_staleness=1").get("async-rollout", [])
+        assert bool(got) == (load_recipe(recipe).rollout.placement == "colocated"), recipe
+    assert errors(REPO / "recipes/qwen3_235b_a22b/grpo_async.yaml") == {}
 
 
 @pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)

@@ -322,3 +322,16 @@ def test_thinking_is_judged_by_the_release_name_when_the_tokenizer_is_on_the_clu
     assert rule not in {f.rule for f in lint(qlora, check_paths=False)}
     assert rule in {f.rule for f in lint(load_recipe(q235 / "gspo_qlora.yaml", ["rollout.max_response_length=512"]),
                                         check_paths=False)}
+
+
+def test_async_rollout_needs_servers_of_their_own_and_a_correction() -> None:
+    disaggregated = ("rollout.placement=disaggregated", "rollout.nodes=1")
+    (msg,) = findings("grpo.yaml", "rollout.max_staleness=1")["async-rollout"]
+    assert msg.startswith("error|rollout.max_staleness|1 makes the servers generate") and "'colocated'" in msg
+    (msg,) = findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated, "rollout.sleep_level=0")["async-rollout"]
+    assert msg.startswith("error|rollout.sleep_level|0: a sleeping server")
+    (msg,) = findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated)["async-rollout"]
+    assert msg.startswith("warning|algorithm.correction.mode|'none'")
+    assert "async-rollout" not in findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated,
+                                           "algorithm.correction.mode=tis_token")
+    assert "async-rollout" not in findings("grpo.yaml", "rollout.sleep_level=0")     # synchronous: no rule

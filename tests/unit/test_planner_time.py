@@ -258,3 +258,20 @@ def test_workload_flags_shorten_the_step(capsys: pytest.CaptureFixture[str]) -> 
     short = json.loads(capsys.readouterr().out)["time"]
     assert short["step_s"] < caps["step_s"] and short["tokens"] == 2560 * 600
     assert caps["tokens"] == 2560 * 4608 and GB == 1e9
+
+
+def test_asynchronous_rollout_overlaps_the_rollout_with_logprobs_and_train() -> None:
+    hw = Hardware(8, 80.0, "H100")
+    params = count_params(json.loads((RECIPES / "models/qwen3_235b_a22b/config.json").read_text()))
+    times = {}
+    for name in ("grpo", "grpo_async"):
+        cfg = load_recipe(RECIPES / "qwen3_235b_a22b" / f"{name}.yaml")
+        times[name] = step_time(params, cfg, rollout_memory(params, cfg, hw), Workload.of(cfg), GPUS["H100"], hw)
+    sync, overlapped = times["grpo"], times["grpo_async"]
+    assert not sync.overlapped and overlapped.overlapped
+    assert [p.seconds for p in sync.phases] == [p.seconds for p in overlapped.phases]     # the same phases
+    assert sync.seconds == pytest.approx(sum(p.seconds for p in sync.phases), rel=1e-12)
+    s = {p.key: p.seconds for p in sync.phases}
+    assert overlapped.seconds == pytest.approx(
+        s["sleep"] + s["sync"] + max(s["rollout"], s["logprobs"] + s["train"]), rel=1e-12)
+    assert overlapped.seconds < sync.seconds
