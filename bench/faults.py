@@ -35,6 +35,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -283,6 +284,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
     run_name = f"faults-{int(time.time())}" + (f"-async{args.max_staleness}" if args.max_staleness else "")
     run = args.out / run_name
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    tmp_before = set(os.listdir(tempfile.gettempdir()))
     bad: set[str] = set()
     kill_at = SAVE_INTERVAL + 2                     # two steps past the checkpoint: they are redone
     first = launch(args, run_name, resume=False)
@@ -315,6 +317,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         "restarts_verified_numerically": sum(log.count("verified: max |Δ log-prob|") for log in logs),
         "non_loopback_listeners": sorted(bad),
         "shm_left": shm_left(shm_after - shm_before),
+        "tmp_left": tmp_left(set(os.listdir(tempfile.gettempdir())) - tmp_before),
         "run_dir": str(run),
     }
     emit(out, started, args.json_out)
@@ -367,6 +370,14 @@ def async_overrides(max_staleness: int) -> list[str]:
         return []
     return [f"rollout.max_staleness={max_staleness}", "rollout.placement=disaggregated", "rollout.nodes=1",
             "algorithm.correction.mode=tis_token"]
+
+
+def tmp_left(new: set[str]) -> list[str]:
+    """Server temp directories (and vLLM rendezvous files) that appeared during the run and are
+    still there: each server's is removed when it stops, is restarted, or is orphaned."""
+    from megatron_rl.rollout import shm
+
+    return sorted(n for n in new if n.startswith((shm.SERVER_TMP_PREFIX, "vllm_dist_")))
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

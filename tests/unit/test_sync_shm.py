@@ -166,6 +166,34 @@ except OSError as exc:
     assert "cannot allocate 4.0 MiB" in message and str(tmp_path / "sync") in message, message
 
 
+def test_a_trainer_that_exits_without_closing_leaves_no_segments_and_its_forked_children_none_removed() -> None:
+    """The in-place segments are a copy of the weights in RAM: an exit that never reaches close()
+    (an error on the way out) removes them; a forked child that exits does not take them away."""
+    import subprocess
+    import sys
+
+    code = """
+import os, torch
+from megatron_rl.sync.shm import SegmentWriter
+t = SegmentWriter(None, segment_bytes=1 << 16)
+t.begin(1)
+t.send_bucket({"w": torch.ones(100)})
+print(t.dir, flush=True)
+child = os.fork()
+if child == 0:
+    raise SystemExit(0)           # a normal exit of the child: its atexit hooks run
+os.waitpid(child, 0)
+print("after child", t.dir.is_dir(), flush=True)
+raise RuntimeError("crash before close()")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 1 and "crash before close()" in out.stderr, out.stdout + out.stderr
+    segments, after_child = out.stdout.splitlines()
+    assert after_child == "after child True"
+    assert Path(segments).name.startswith("megatron-rl-sync-") and not Path(segments).exists()
+
+
 def _send(transport: SharedSegmentTransport, version: int, state: dict[str, torch.Tensor]) -> dict[str, Any]:
     transport.begin(version)
     names = sorted(state)

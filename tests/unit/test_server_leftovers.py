@@ -1,0 +1,157 @@
+"""Which /dev/shm and temp-directory names are a rollout server's own, and that nothing of them
+is left once it is gone: stopped, SIGKILLed and restarted, or orphaned by a dead trainer
+(`rollout/shm.py`). The servers here are stand-ins that map a `psm_*` file and write a
+`vllm_dist_*` file into their temp directory, as vLLM's engine does, and never clean up after
+themselves, as a SIGKILLed vLLM does not."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout import shm
+from megatron_rl.rollout.server import RolloutServer
+from tests.helpers.rollout import REPO
+
+SERVER = r'''
+import http.server, mmap, os, sys, tempfile
+open(os.path.join(tempfile.gettempdir(), "vllm_dist_stand_in"), "w").close()   # vLLM's FileStore file
+f = open(f"/dev/shm/psm_mrltest_{os.getpid()}", "w+b")                         # its scheduler queue
+f.truncate(4096)
+queue = mmap.mmap(f.fileno(), 4096)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+'''
+
+
+class StandIn(RolloutServer):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", SERVER, str(self.port)]
+
+
+@contextmanager
+def mapped(path: Path) -> Iterator[None]:
+    """`path` (4 KiB) mapped by this test process, as by a process still using it."""
+    with open(path, "a+b") as f:
+        f.truncate(4096)
+        with mmap.mmap(f.fileno(), 4096):
+            yield
+
+
+def _queue_of(server: RolloutServer) -> Path:
+    return shm.SHM / f"psm_mrltest_{server.proc.pid}"
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_groups_segments_are_the_files_its_processes_map_or_hold_open(tmp_path: Path) -> None:
+    code = ("import mmap, sys, time; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 4096); "
+            "g = open(sys.argv[2]); print('ready', flush=True); time.sleep(60)")
+    for name in ("psm_child", "sem.mp-child", "psm_ours", "psm_nobody"):
+        (tmp_path / name).write_bytes(b"x" * 4096)
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "psm_child"), str(tmp_path / "sem.mp-child")],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        with mapped(tmp_path / "psm_ours"):
+            assert shm.group_segments(child.pid, tmp_path) == ["psm_child", "sem.mp-child"]
+            names = shm.group_segments(child.pid, tmp_path)
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            # `psm_ours` is in use: named or not, it stays.
+            shm.remove_after_group(child.pid, [*names, "psm_ours"], root=tmp_path, timeout_s=10)
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["psm_nobody", "psm_ours"]
+    finally:
+        child.kill()
+    theirs, ours = tmp_path / "a-users-tmpdir", tmp_path / f"{shm.SERVER_TMP_PREFIX}1-x"
+    theirs.mkdir(), ours.mkdir()
+    shm.remove_server_tmp_dir(theirs)
+    shm.remove_server_tmp_dir(ours)
+    assert theirs.is_dir() and not ours.exists()           # only a server's own temp directory goes
+
+
+def test_a_stop_removes_what_its_killed_server_left_and_restarts_keep_the_first_baseline(tmp_path: Path) -> None:
+    server = StandIn("model", tmp_path / "run", RolloutConfig(startup_timeout_s=60), 64, stop_token_ids=[0])
+    other = shm.SHM / f"psm_mrltest_other_{os.getpid()}"      # another program's, created meanwhile
+    first_queue = None
+    try:
+        server.start()
+        baseline, first_tmp, first_queue = server.shm_before, server.tmp_dir, _queue_of(server)
+        assert first_tmp is not None and first_tmp.name.startswith(shm.SERVER_TMP_PREFIX)
+        assert (first_tmp / "vllm_dist_stand_in").is_file()          # TMPDIR reached the server
+        # ...but torch's compile cache there is the shared one, which outlives the server.
+        (inductor,) = [p for p in first_tmp.iterdir() if p.name.startswith("torchinductor_")]
+        shared = inductor.resolve()
+        assert inductor.is_symlink() and shared.parent == Path(tempfile.gettempdir()).resolve()
+        assert first_queue.is_file() and first_queue.name not in baseline
+        os.killpg(server.proc.pid, signal.SIGKILL)                   # as the fault bench does
+        server.proc.wait()
+        with mapped(first_queue):          # a process of the killed group still tearing down
+            server.restart()
+        assert server.shm_before is not None and first_queue.name not in server.shm_before   # still ours
+        assert first_queue.exists() and not first_tmp.exists()
+        second_tmp, second_queue = server.tmp_dir, _queue_of(server)
+        assert second_tmp is not None and second_queue.is_file()
+        with mapped(other):
+            server.stop()
+            assert not first_queue.exists() and not second_queue.exists() and not second_tmp.exists()
+            assert other.exists()                                    # in use: not ours to remove
+        assert server.tmp_dir is None and server.proc is None and shared.is_dir()
+    finally:
+        server.stop()
+        for f in (other, first_queue):
+            if f is not None:
+                f.unlink(missing_ok=True)
+
+
+def test_a_server_whose_trainer_died_removes_its_files_as_its_watchdog_kills_it() -> None:
+    """The trainer SIGKILLed: nobody will stop its server. The server's watchdog SIGKILLs its own
+    group (server_main.py) and hands what the group maps, and its temp directory, to a detached
+    clean-up first."""
+    tmp = shm.new_server_tmp_dir()
+    code = ("import mmap, os, time; from megatron_rl.rollout.server_main import _watch_parent; "
+            "f = open(f'/dev/shm/psm_mrltest_{os.getpid()}', 'w+b'); f.truncate(4096); "
+            "q = mmap.mmap(f.fileno(), 4096); open(os.path.join(os.environ['TMPDIR'], 'vllm_dist_x'), 'w').close(); "
+            "_watch_parent(); print('ready', flush=True); time.sleep(60)")
+    trainer = subprocess.Popen(["sleep", "60"])
+    env = dict(os.environ, MRL_PARENT_PID=str(trainer.pid), TMPDIR=str(tmp), PYTHONPATH=str(REPO),
+               **{shm.SERVER_TMP_ENV: str(tmp)})
+    server = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True, cwd=REPO)
+    queue = shm.SHM / f"psm_mrltest_{server.pid}"
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n"
+        assert queue.is_file() and (tmp / "vllm_dist_x").is_file()
+        trainer.kill()
+        trainer.wait()
+        assert server.wait(timeout=30) == -signal.SIGKILL
+        assert _wait_for(lambda: not queue.exists() and not tmp.exists()), (queue.exists(), tmp.exists())
+    finally:
+        trainer.kill()
+        server.kill()
+        queue.unlink(missing_ok=True)
+        shm.remove_server_tmp_dir(tmp)
