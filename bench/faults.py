@@ -355,13 +355,14 @@ def not_met(injections: list[dict[str, Any]], children: list[dict[str, Any]], ki
 
 
 def shm_left(new: set[str]) -> list[str]:
-    """/dev/shm files that appeared during the run and that no live process uses (on a shared host
-    other runs' servers create and use such files meanwhile: those are not leftovers)."""
+    """/dev/shm files that appeared during the run and that no live process uses or, for sync
+    directories, owns (on a shared host other runs' trainers and servers create and use such files
+    meanwhile: those are not leftovers; every process of this run has exited by now)."""
     from megatron_rl.rollout import shm  # stdlib only: the driver stays free of torch
 
     mapped = shm.mapped_paths()
     return sorted(n for n in new if n.startswith((shm.SYNC_PREFIX, *shm.VLLM_PREFIXES))
-                  and (shm.SHM / n).exists() and not shm.in_use(shm.SHM / n, mapped))
+                  and (shm.SHM / n).exists() and not shm.in_use(shm.SHM / n, mapped) and not shm.creator_alive(n))
 
 
 def async_overrides(max_staleness: int) -> list[str]:
@@ -374,10 +375,11 @@ def async_overrides(max_staleness: int) -> list[str]:
 
 def tmp_left(new: set[str]) -> list[str]:
     """Server temp directories (and vLLM rendezvous files) that appeared during the run and are
-    still there: each server's is removed when it stops, is restarted, or is orphaned."""
+    still there, of no live process: each server's is removed when it stops, is restarted, or is
+    orphaned."""
     from megatron_rl.rollout import shm
 
-    return sorted(n for n in new if n.startswith((shm.SERVER_TMP_PREFIX, "vllm_dist_")))
+    return sorted(n for n in new if n.startswith((shm.SERVER_TMP_PREFIX, "vllm_dist_")) and not shm.creator_alive(n))
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

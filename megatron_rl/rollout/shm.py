@@ -123,6 +123,16 @@ def group_segments(pgid: int, root: Path = SHM) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- removal
+def creator_alive(name: str) -> bool:
+    """Whether the process named in a sync directory's or a server temp directory's name
+    (`<prefix><pid>-…`) is still running: its files are then its own, not leftovers."""
+    for prefix in (SYNC_PREFIX, SERVER_TMP_PREFIX):
+        if name.startswith(prefix):
+            pid = name[len(prefix):].split("-", 1)[0]
+            return pid.isdigit() and _pid_alive(int(pid))
+    return False
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -147,7 +157,7 @@ def stale_sync_dirs(root: Path = SHM) -> list[Path]:
     stale = []
     for d in root.glob(SYNC_PREFIX + "*"):
         pid = d.name[len(SYNC_PREFIX):].split("-", 1)[0]
-        if not d.is_dir() or not pid.isdigit() or _pid_alive(int(pid)) or not _ours_and_old(d, 0):
+        if not d.is_dir() or not pid.isdigit() or creator_alive(d.name) or not _ours_and_old(d, 0):
             continue
         if not any(in_use(f, mapped) for f in d.iterdir()):
             stale.append(d)

@@ -42,3 +42,20 @@ def test_a_kill_no_restart_followed_is_reported() -> None:
     # The SIGKILLed trainer's last kill has nothing after it; its step is redone by the resumed run.
     assert faults.not_met([kill(1, 0, pid=7), kill(2, 1, pid=7)], [], killed_pid=7) == []
     assert faults.not_met([kill(1, 0, pid=7), kill(2, 0, pid=7)], [], killed_pid=7) == ["step 1: x (trainer 7)"]
+
+
+def test_leftovers_of_a_live_process_are_not_the_runs(tmp_path: Path) -> None:
+    # On a shared host other trainers and servers run meanwhile: a sync or temp directory named by
+    # a live process is theirs; one whose creator has exited is a leftover.
+    import os
+    import subprocess
+
+    from megatron_rl.rollout import shm
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    live = str(os.getpid())
+    names = {f"{shm.SERVER_TMP_PREFIX}{live}-a", f"{shm.SERVER_TMP_PREFIX}{dead}-b", f"vllm_dist_{dead}", "other"}
+    assert faults.tmp_left(names) == sorted([f"{shm.SERVER_TMP_PREFIX}{dead}-b", f"vllm_dist_{dead}"])
+    assert shm.creator_alive(f"{shm.SYNC_PREFIX}{live}-x") and not shm.creator_alive(f"{shm.SYNC_PREFIX}{dead}-x")
+    assert not shm.creator_alive("psm_1234")
