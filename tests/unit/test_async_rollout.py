@@ -107,7 +107,7 @@ Taken = tuple[int, list[int], dict[str, float], dict[str, Any]]
 
 
 def run(source: Any, fleet: FakeFleet, steps: int, version: int = 1, first: int = 1,
-        train_s: float = 0.03) -> list[Taken]:
+        train_s: float = 0.05) -> list[Taken]:
     """The loop's use of a rollout source: take, train, sync (publish) under `servers()`."""
     got = []
     source.start(first, version)
