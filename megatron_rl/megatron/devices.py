@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,16 @@ def init_distributed(timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN, store:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rendezvous.install(multi_node=world > int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dist.init_process_group(backend(), timeout=timedelta(minutes=timeout_min), **kwargs)
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` (a picklable object) on every rank, over gloo (collective; a process
+    without a process group, or alone in it, keeps its own)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def wait_for_rank0() -> None:

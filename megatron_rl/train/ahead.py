@@ -34,8 +34,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
+from ..megatron.devices import from_rank0
 from ..types import RolloutGroup
 from .data import TrainData
 
@@ -258,15 +257,6 @@ class AheadRollouts:
 
 
 Rollouts = SyncRollouts | AheadRollouts
-
-
-def from_rank0(value: Any) -> Any:
-    """Rank 0's `value` on every rank (collective; a single process keeps its own)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def make_rollouts(fleet: RolloutFleet, data: TrainData, prompts_per_step: int, last_step: int,

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import RecipeConfig, RolloutConfig
-from ..megatron.devices import wait_for_rank0
+from ..megatron.devices import from_rank0, wait_for_rank0
 from ..model_config import InitCheckpoint
 from ..rollout.client import MultiClient, RolloutClient
 from ..rollout.routes import attach_routes
@@ -143,9 +143,7 @@ class RolloutFleet:
     def generate(self, prompts: Prompts, indices: Sequence[int], step: int, version: int) -> list[RolloutGroup]:
         """The step's groups, generated on rank 0 with this step's seed and the servers' weights
         `version` (collective: every rank returns the same groups)."""
-        box: list[Any] = [self.rollout_rank0(prompts, indices, step, version) if self.rank0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return list(box[0])
+        return list(from_rank0(self.rollout_rank0(prompts, indices, step, version) if self.rank0 else None))
 
     def rollout_rank0(self, prompts: Prompts, indices: Sequence[int], step: int, version: int) -> list[RolloutGroup]:
         """Rank 0 only: reseed the servers for `step` and generate the groups of `indices` on the
@@ -165,16 +163,15 @@ class RolloutFleet:
         with the same reward functions and weights as training plus the task's scorer and eval
         metrics (the `igakuqa` task adds the benchmark's own rule: accepted answer sets, points,
         prohibited choices). Generated on rank 0; collective: every rank returns the metrics."""
-        box: list[Any] = [None]
+        metrics = None
         if self.rank0:
             assert self.client is not None, "rank 0 starts or attaches the servers before evaluating"
             t = self.cfg.evaluation.temperature
             indices = list(range(len(eval_set.records)))
             groups = generate_groups(self.client, eval_set.token_ids, eval_set.dicts, indices,
                                      replace(self.cfg.rollout, n=1, temperature=t), version, greedy=t == 0.0)
-            box[0] = eval_metrics(groups, score_groups(groups, task, decode), task)
-        dist.broadcast_object_list(box, src=0)
-        return dict(box[0])
+            metrics = eval_metrics(groups, score_groups(groups, task, decode), task)
+        return dict(from_rank0(metrics))
 
     # ------------------------------------------------------------------ weights
     def push(self, policy: Policy, version: int) -> SyncReport | None:
@@ -190,16 +187,16 @@ class RolloutFleet:
         forced-probe prompt; with the same weights on both sides (`version`), |Δ| on those sampled
         tokens is the kernel noise floor the later syncs are gated against (`verification.calibrate`).
         Returns (the probe of every later verification, the gate, the start-up metrics)."""
-        box: list[Any] = [None]
+        sampled = None
         if self.rank0:
             prompts = [row[:int(m.nonzero().min()) + 1].tolist() for row, m in zip(forced.tokens, forced.mask)]
             r = self.cfg.rollout
             settings = replace(r, n=1, temperature=1.0, top_p=1.0, top_k=-1,
                                max_response_length=min(verification.PROBE_TOKENS, r.max_response_length))
             samples = self.supervisors[0].call("the verification probe", self.clients[0].generate, prompts, settings)
-            box[0] = verification.sampled_probe(prompts, [group[0].response_ids for group in samples], seq_len, pad)
-        dist.broadcast_object_list(box, src=0)
-        probe = forced if box[0] is None else box[0]
+            sampled = verification.sampled_probe(prompts, [group[0].response_ids for group in samples], seq_len, pad)
+        sampled = from_rank0(sampled)
+        probe = forced if sampled is None else sampled
         tolerance, dtype = self.cfg.rollout.verify_tolerance, policy.dtype
         stats = self._probe_stats(policy, probe, version, verification.startup_limits(dtype, tolerance))
         problem = verification.failure(stats, verification.startup_limits(dtype, tolerance))
