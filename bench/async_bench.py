@@ -61,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_rl.rollout.affinity import format_cpu_list, parse_cpu_list  # noqa: E402  (stdlib only)
+from megatron_rl.rollout.shm import wait_group_gone  # noqa: E402  (stdlib only)
 
 SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 """rollout/server.py `EXTERNAL_SERVERS_ENV` (not imported: that module imports torch; a unit test
@@ -179,16 +180,6 @@ def pinned(cpus: set[int]) -> Callable[[], None]:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def end_group(pgid: int, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> None:
     """`sig` to the process group, then SIGKILL if anything of it is left after `grace_s`."""
     for s, wait in ((sig, grace_s), (signal.SIGKILL, 10.0)):
@@ -196,10 +187,7 @@ def end_group(pgid: int, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> No
             os.killpg(pgid, s)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + wait
-        while group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not group_alive(pgid):
+        if wait_group_gone(pgid, wait):
             return
 
 
@@ -241,7 +229,7 @@ def stop_server(proc: subprocess.Popen, node_dir: Path) -> bool:
     proc.wait()
     if vllm_pgid is not None:
         end_group(vllm_pgid)
-    return group_alive(proc.pid) or (vllm_pgid is not None and group_alive(vllm_pgid))
+    return not wait_group_gone(proc.pid, 0) or (vllm_pgid is not None and not wait_group_gone(vllm_pgid, 0))
 
 
 def tree_affinity(pid: int) -> dict[str, Any]:
