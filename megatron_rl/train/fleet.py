@@ -26,6 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -130,14 +131,17 @@ class RolloutFleet:
             supervisor.call("the per-step reseed", server.rpc, "mrl_reseed", str(seed))
 
     def close(self) -> None:
+        """Transports first (their segments), then the servers; a step that raises does not skip
+        the later ones (a server left running would outlive the run), and its error still surfaces."""
         for supervisor in self.supervisors:     # a request still in flight must not restart a server
             supervisor.closed = True
-        for transport in self.transports:
-            transport.close()
-        for server in self.servers:
-            server.stop()                                    # a no-op for external servers
-        if self.own_server is not None:
-            self.own_server.stop()
+        with ExitStack() as steps:               # runs its callbacks last-in first-out
+            if self.own_server is not None:
+                steps.callback(self.own_server.stop)
+            for server in reversed(self.servers):
+                steps.callback(server.stop)                  # a no-op for external servers
+            for transport in reversed(self.transports):
+                steps.callback(transport.close)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Prompts, indices: Sequence[int], step: int, version: int) -> list[RolloutGroup]:

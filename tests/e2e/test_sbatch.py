@@ -1,7 +1,8 @@
 """`megatron-rl sbatch`: every recipe renders to a script that bash and shellcheck accept; recipe
 values stay literal; the script's logic runs in a sandbox with stand-ins for srun/scontrol; and on
 a real one-node Slurm (tests/slurm/start_slurm.sh) the tiny recipe trains, survives scancel +
-resubmission, and a SIGUSR1 before the time limit checkpoints, requeues and resumes.
+resubmission, and a SIGUSR1 before the time limit checkpoints, requeues and resumes (one run goes
+through all three, `journey`, and each test asserts its part).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -92,12 +94,64 @@ def test_a_gpu_job_whose_container_sees_no_gpu_refuses_to_start(slurm: dict[str,
     assert not (run / "metrics.jsonl").exists()
 
 
-def test_tiny_recipe_trains_as_a_slurm_job(slurm: dict[str, str], tmp_path: Path) -> None:
-    job, run = submit(slurm, tmp_path, "plain", "trainer.max_steps=2")
-    info = wait_for(slurm, job, run, finished)
+STEPS = 10
+"""The journey's run: enough steps for a scancel, a resubmission and a SIGUSR1 between them."""
+
+
+@dataclass(frozen=True)
+class Journey:
+    """One run through what a user's job meets: scancel, resubmission (resume), SIGUSR1 before the
+    time limit (checkpoint, requeue, resume), completion. Three job starts instead of one job per
+    test (each start is a vLLM server and a trainer); each test below asserts its part."""
+
+    run: Path
+    cancelled_job: str
+    cancelled: dict[str, str]
+    """The first job's info once scancel's processes were gone."""
+    steps_before_cancel: list[int]
+    job: str
+    """The resubmission, requeued once by SIGUSR1 and then completed."""
+    final: dict[str, str]
+
+
+def _checkpoint(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}" / "complete.json"
+
+
+@pytest.fixture(scope="module")
+def journey(slurm: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Journey:
+    common = [f"trainer.max_steps={STEPS}", "checkpoint.save_interval=1"]
+    out = tmp_path_factory.mktemp("journey")
+    job, run = submit(slurm, out, "journey", *common)
+    wait_for(slurm, job, run, lambda info: _checkpoint(run, 1).is_file() or finished(info))
+    assert _checkpoint(run, 1).is_file(), log_of(run, job)[-3000:]
+    subprocess.run(["scancel", job], env=slurm, check=True)
+    # Gone from the queue: no process of the job is left (COMPLETING is over).
+    cancelled = wait_for(slurm, job, run, finished)
+    before = steps(run)
+    assert before and before[-1] < STEPS - 2, log_of(run, job)[-3000:]
+
+    job2, _ = submit(slurm, out, "journey", *common)    # same run name: the new job resumes
+    beyond = _checkpoint(run, before[-1] + 1)
+    wait_for(slurm, job2, run, lambda info: beyond.is_file() or finished(info))
+    assert beyond.is_file() and not finished(job_info(slurm, job2)), log_of(run, job2)[-3000:]
+    # What Slurm does slurm.signal_before_s before the time limit (--signal=B:USR1@N).
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job2], env=slurm, check=True)
+    wait_for(slurm, job2, run, lambda info: info.get("Restarts") == "1" and info.get("JobState") == "PENDING")
+    # A requeued job is held back ~2 minutes (BeginTime); let it start now. Not in the second the
+    # first attempt ended: slurmd revokes that attempt's credential with one-second resolution and
+    # kills a start within it ("Job credential revoked", seen here).
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={job2}", "StartTime=now"], env=slurm, check=True)
+    final = wait_for(slurm, job2, run, lambda info: info.get("Restarts") == "1" and finished(info))
+    return Journey(run, job, cancelled, before, job2, final)
+
+
+def test_tiny_recipe_trains_as_a_slurm_job(journey: Journey) -> None:
+    run, job, info = journey.run, journey.job, journey.final
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log_of(run, job)[-3000:]
-    assert steps(run) == [1, 2]
-    assert (run / "checkpoints" / "step_00000002" / "complete.json").is_file()
+    assert steps(run) == list(range(1, STEPS + 1))
+    assert _checkpoint(run, STEPS).is_file()
     assert (run / "hf_export").is_dir() and "training finished" in log_of(run, job)
     # Whole node: every CPU to the one task; the rank gets them less the colocated server's share.
     cpus = int(info["NumCPUs"])
@@ -107,43 +161,22 @@ def test_tiny_recipe_trains_as_a_slurm_job(slurm: dict[str, str], tmp_path: Path
     assert "memory --mem=0" in log_of(run, job)
 
 
-def test_scancel_then_resubmit_resumes_and_logs_each_step_once(slurm: dict[str, str], tmp_path: Path) -> None:
-    common = ["trainer.max_steps=8", "checkpoint.save_interval=1"]
-    job, run = submit(slurm, tmp_path, "cancelled", *common)
-    first = run / "checkpoints" / "step_00000001" / "complete.json"
-    wait_for(slurm, job, run, lambda info: first.is_file() or finished(info))
-    assert first.is_file(), log_of(run, job)[-3000:]
-    subprocess.run(["scancel", job], env=slurm, check=True)
-    # Gone from the queue: no process of the job is left (COMPLETING is over).
-    wait_for(slurm, job, run, finished)    # not while COMPLETING: the job's processes are gone
-    assert job_info(slurm, job)["JobState"] == "CANCELLED"
-    done_before = steps(run)
-    assert done_before and done_before[-1] < 8, log_of(run, job)[-3000:]
-    job2, _ = submit(slurm, tmp_path, "cancelled", *common)    # same run name: the new job resumes
-    info = wait_for(slurm, job2, run, finished)
-    assert info["JobState"] == "COMPLETED", log_of(run, job2)[-3000:]
-    assert "[resume] from" in log_of(run, job2)
-    assert steps(run) == list(range(1, 9))
+def test_scancel_then_resubmit_resumes_and_logs_each_step_once(journey: Journey) -> None:
+    run = journey.run
+    assert journey.cancelled["JobState"] == "CANCELLED", log_of(run, journey.cancelled_job)[-3000:]
+    assert "training finished" not in log_of(run, journey.cancelled_job)
+    resumed = log_of(run, journey.job).split("(restart 1)")[0]         # the resubmission's first attempt
+    assert "(restart 0)" in resumed and "[resume] from" in resumed, resumed[-3000:]
+    assert steps(run) == list(range(1, STEPS + 1))                     # every step logged once
 
 
-def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: dict[str, str], tmp_path: Path) -> None:
-    job, run = submit(slurm, tmp_path, "requeued", "trainer.max_steps=10", "checkpoint.save_interval=1")
-    first = run / "checkpoints" / "step_00000001" / "complete.json"
-    wait_for(slurm, job, run, lambda info: first.is_file() or finished(info))
-    assert first.is_file(), log_of(run, job)[-3000:]
-    # What Slurm does slurm.signal_before_s before the time limit (--signal=B:USR1@N).
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
-    wait_for(slurm, job, run, lambda info: info.get("Restarts") == "1" and info.get("JobState") == "PENDING")
-    # A requeued job is held back ~2 minutes (BeginTime); let it start now. Not in the second the
-    # first attempt ended: slurmd revokes that attempt's credential with one-second resolution and
-    # kills a start within it ("Job credential revoked", seen here).
-    time.sleep(2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
-    info = wait_for(slurm, job, run, lambda info: info.get("Restarts") == "1" and finished(info))
+def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(journey: Journey) -> None:
+    run, job, info = journey.run, journey.job, journey.final
     log = log_of(run, job)
-    assert info["JobState"] == "COMPLETED", log[-3000:]
-    for expected in ("[train] SIGUSR1: checkpointed step", f"requeueing job {job}", "(restart 1)", "[resume] from"):
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    for expected in ("[train] SIGUSR1: checkpointed step", f"requeueing job {job}", "(restart 1)"):
         assert expected in log, (expected, log[-4000:])
-    assert steps(run) == list(range(1, 11))
+    assert "[resume] from" in log.split("(restart 1)", 1)[1], log[-4000:]     # the requeued attempt resumed
+    assert steps(run) == list(range(1, STEPS + 1))
     assert (run / "hf_export").is_dir()
-    assert not list((run / "slurm").glob("stop-*"))
+    assert not (run / "slurm" / f"stop-{job}").exists()          # the requeued job's stop request is gone

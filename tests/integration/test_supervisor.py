@@ -53,7 +53,7 @@ def test_a_server_killed_at_any_call_of_a_sync_reseed_or_verify_comes_back_with_
             restarts = server.restarts
             version += 1
             assert _send(transport, version, new)["version"] == version, target
-            assert server.restarts == restarts + 1, target                # it was killed and came back
+            assert server.restarts >= restarts + 1, target   # killed and back (a start may be retried: port)
             assert server.rpc("mrl_weight_version") == [str(version)], target
         assert server.kills == 4
         assert _server_diff(server, expect_new, sequences) <= 1e-4        # the new weights, not the initial ones
@@ -67,7 +67,7 @@ def test_a_server_killed_at_any_call_of_a_sync_reseed_or_verify_comes_back_with_
         server.proc.wait()
         got = supervisor.call("the sync verification", client.prompt_logprobs, sequences)
         assert max_abs_diff(got, [e.tolist() for e in expect_new]) <= 1e-4
-        assert server.restarts == 6
+        assert server.restarts >= 6 and server.kills == 5          # 4 sync calls, the reseed (+1 by hand)
 
         # A restarted server that does not compute what the trainer expects is an error, not a retry.
         supervisor.expected = ProbeExpectation(version, sequences, [[0.0] * len(e) for e in expect_new], 1e-4)

@@ -92,7 +92,9 @@ def test_one_written_copy_reaches_both_servers_and_survives_a_restart_mid_update
         servers[1].arm("/update_weights")
         restarts, kills = servers[1].restarts, servers[1].kills
         assert _send(transport, 4, new)["version"] == 4
-        assert servers[1].restarts == restarts + 1 and servers[1].kills == kills + 1
+        # Killed once, back at least once: a restart keeps its port, and a client's outgoing
+        # connection can hold that (ephemeral-range) port for a moment, so a start may be retried.
+        assert servers[1].restarts >= restarts + 1 and servers[1].kills == kills + 1
         for server in servers:
             assert server.rpc("mrl_weight_version") == ["4"]
             assert _server_diff(server, expect_new, sequences) <= 1e-4
