@@ -39,7 +39,7 @@ How to read the JSON:
 - `modes.<mode>`: each run's own record: exit codes, steps logged, start-up and wall times, log
   files, overrides, whether anything of its server was left running.
 Exit code 1 when a run failed or logged fewer steps than asked, 130 when interrupted; a missed goal
-is a result (exit 0). Each server start costs 40-60 s on the shared 2-core VM.
+is a result (exit 0). Each server start costs 25-60 s on the shared 2-core VM, by load.
 """
 
 from __future__ import annotations

@@ -43,13 +43,18 @@ VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so the server never closes one a request is 
 _http = threading.local()
 
 
-def control_client() -> httpx.Client:
-    """This thread's HTTP client for control requests to every server. A new `httpx.Client` per
-    request costs ~45 ms of CPU (its SSL context), more than the request (~10 ms here), and each
-    step makes about ten (reseed, a weight sync's engine round, its verification)."""
-    client = getattr(_http, "client", None)
+def control_client(incarnation: tuple[str, int, int] = ("", 0, 0)) -> httpx.Client:
+    """This thread's HTTP client for control requests to one server process (`incarnation`: its
+    URL, pid and restart count). A new `httpx.Client` per request costs ~45 ms of CPU (its SSL
+    context), more than the request (~10 ms here), and each step makes about ten (reseed, a weight
+    sync's engine round, its verification). A restarted server gets a fresh client: a connection
+    kept to the killed process would be reset under the first request to the new one."""
+    clients: dict[tuple[str, int, int], httpx.Client] = _http.__dict__.setdefault("clients", {})
+    client = clients.get(incarnation)
     if client is None:
-        client = _http.client = httpx.Client(limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+        for earlier in [k for k in clients if k[0] == incarnation[0]]:
+            clients.pop(earlier).close()
+        client = clients[incarnation] = httpx.Client(limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
     return client
 """Set by the sbatch script (and the tests' shared server): a folder of `<host>/rollout/server.json`
 of servers already running, which the trainer attaches to instead of starting its own."""
@@ -241,7 +246,7 @@ class RolloutServer:
 
     def healthy(self) -> bool:
         try:
-            return control_client().get(self.base_url + "/health", timeout=2.0).status_code == 200
+            return self._http().get(self.base_url + "/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -284,10 +289,13 @@ class RolloutServer:
         self.restarts += 1
         self.start()
 
+    def _http(self) -> httpx.Client:
+        return control_client((self.base_url, self.proc.pid if self.proc is not None else 0, self.restarts))
+
     def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
              timeout: float = 600.0) -> Any:
         """An authenticated control request (pause/resume/collective_rpc/...)."""
-        resp = control_client().post(self.base_url + path, json=body, params=params, timeout=timeout,
+        resp = self._http().post(self.base_url + path, json=body, params=params, timeout=timeout,
                                      headers={"Authorization": f"Bearer {self.token}"})
         if resp.status_code != 200:
             raise ServerError(f"{path}: HTTP {resp.status_code}: {resp.text[:500]}")
@@ -306,7 +314,7 @@ class RolloutServer:
             raise ServerError(f"rollout server at {self.base_url} still sleeps after /wake_up")
 
     def is_sleeping(self) -> bool:
-        resp = control_client().get(self.base_url + "/is_sleeping", timeout=60.0,
+        resp = self._http().get(self.base_url + "/is_sleeping", timeout=60.0,
                                     headers={"Authorization": f"Bearer {self.token}"})
         if resp.status_code != 200:
             raise ServerError(f"/is_sleeping: HTTP {resp.status_code}: {resp.text[:500]}")

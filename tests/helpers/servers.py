@@ -1,6 +1,6 @@
 """One rollout server for the whole test session.
 
-Starting a vLLM server costs 30-60 s on two cores, most of the suite's time. Every test that does
+Starting a vLLM server costs 25-60 s on two cores (by load), most of the suite's time. Every test that does
 not test a server's own life (start, kill, restart, sleep, re-configure) uses this one: a real
 server on the warmed-up demo model, started on first use and stopped when the session ends.
 

@@ -51,11 +51,22 @@ def test_control_requests_of_a_thread_share_one_connection(server: RolloutServer
 
 
 def test_each_thread_has_its_own_client(server: RolloutServer) -> None:
+    key = (server.base_url, 0, 0)
     mine: list[object] = []
-    worker = threading.Thread(target=lambda: mine.append(control_client()))
+    worker = threading.Thread(target=lambda: mine.append(control_client(key)))
     worker.start()
     worker.join()
-    assert mine[0] is not control_client() and control_client() is control_client()
+    assert mine[0] is not control_client(key) and control_client(key) is control_client(key)
+
+
+def test_a_restarted_server_is_reached_on_a_new_connection(server: RolloutServer) -> None:
+    """A connection kept to the killed process would be reset under the first request."""
+    server.post("/pause", {})
+    old = control_client((server.base_url, 0, server.restarts))
+    server.restarts += 1                                   # as `restart` counts a new process
+    server.post("/resume", {})
+    assert len(set(Recorder.peers)) == 2
+    assert old.is_closed                                   # the earlier process's client is gone
 
 
 def test_an_idle_connection_is_not_reused_past_the_keepalive(server: RolloutServer,
