@@ -52,7 +52,7 @@ def tiny_model_with_tokenizer(fields: dict, out: Path, seed: int = 0) -> Path:
 
 
 def start_server(model: Path, run_dir: Path, **overrides: object) -> RolloutServer:
-    cfg = RolloutConfig(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=300,
+    cfg = RolloutConfig(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=600,
                         max_retries=6, **overrides)
     server = RolloutServer(str(model), run_dir, cfg, max_model_len=128)
     server.start()

@@ -25,7 +25,7 @@ from tests.helpers.rollout import KillingServer, _hf_logprobs, _send, _server_di
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KillingServer]:
     from megatron_rl.config.schema import RolloutConfig
 
-    cfg = RolloutConfig(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=300, max_retries=6)
+    cfg = RolloutConfig(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=600, max_retries=6)
     srv = KillingServer(str(demo_assets()["model"]), tmp_path_factory.mktemp("run"), cfg, max_model_len=128)
     srv.start()
     yield srv

@@ -55,7 +55,7 @@ def test_calibrated_gate_passes_correct_syncs_and_stops_a_corrupted_tensor(tmp_p
     model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model", seed=4)
     mean_abs_logit = scale_logits(model)
     assert 20 <= mean_abs_logit <= 30, mean_abs_logit
-    cfg = RolloutConfig(enforce_eager=True, dtype="bfloat16", max_concurrency=16, startup_timeout_s=300,
+    cfg = RolloutConfig(enforce_eager=True, dtype="bfloat16", max_concurrency=16, startup_timeout_s=600,
                         max_retries=6)
     server = RolloutServer(str(model), tmp_path / "run", cfg, max_model_len=128)
     server.start()

@@ -25,7 +25,7 @@ ROUTES = ["/init_weight_transfer_engine", "/start_weight_update", "/update_weigh
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[KillingServer]]:
-    cfg = RolloutConfig(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=300, max_retries=6)
+    cfg = RolloutConfig(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=600, max_retries=6)
     started: list[KillingServer] = []
     try:
         for i in range(2):
