@@ -37,13 +37,15 @@ from .engines import ENGINES
 from .shm import SERVER_TMP_ENV, SHM, new_server_tmp_dir, remove_server_tmp_dir, remove_unused, wait_group_gone
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
+"""Set by the sbatch script (and the tests' shared server): a folder of `<host>/rollout/server.json`
+of servers already running, which the trainer attaches to instead of starting its own."""
 KEEPALIVE_S = 2.0
 """How long an idle control connection may be reused: below uvicorn's keep-alive (vLLM's
 VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so the server never closes one a request is about to reuse."""
 _http = threading.local()
 
 
-def control_client(incarnation: tuple[str, int, int] = ("", 0, 0)) -> httpx.Client:
+def control_client(incarnation: tuple[str, int, int]) -> httpx.Client:
     """This thread's HTTP client for control requests to one server process (`incarnation`: its
     URL, pid and restart count). A new `httpx.Client` per request costs ~45 ms of CPU (its SSL
     context), more than the request (~10 ms here), and each step makes about ten (reseed, a weight
@@ -56,8 +58,6 @@ def control_client(incarnation: tuple[str, int, int] = ("", 0, 0)) -> httpx.Clie
             clients.pop(earlier).close()
         client = clients[incarnation] = httpx.Client(limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
     return client
-"""Set by the sbatch script (and the tests' shared server): a folder of `<host>/rollout/server.json`
-of servers already running, which the trainer attaches to instead of starting its own."""
 
 
 class ServerError(RuntimeError):
@@ -296,7 +296,7 @@ class RolloutServer:
              timeout: float = 600.0) -> Any:
         """An authenticated control request (pause/resume/collective_rpc/...)."""
         resp = self._http().post(self.base_url + path, json=body, params=params, timeout=timeout,
-                                     headers={"Authorization": f"Bearer {self.token}"})
+                                 headers={"Authorization": f"Bearer {self.token}"})
         if resp.status_code != 200:
             raise ServerError(f"{path}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else None
@@ -315,7 +315,7 @@ class RolloutServer:
 
     def is_sleeping(self) -> bool:
         resp = self._http().get(self.base_url + "/is_sleeping", timeout=60.0,
-                                    headers={"Authorization": f"Bearer {self.token}"})
+                                headers={"Authorization": f"Bearer {self.token}"})
         if resp.status_code != 200:
             raise ServerError(f"/is_sleeping: HTTP {resp.status_code}: {resp.text[:500]}")
         return bool(resp.json()["is_sleeping"])

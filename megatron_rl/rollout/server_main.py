@@ -19,7 +19,6 @@ from typing import Any
 OPEN_PATHS = ("/health", "/ping")
 
 
-
 def _guard_every_route() -> None:
     from starlette.datastructures import Headers
     from starlette.responses import JSONResponse
