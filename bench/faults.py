@@ -15,7 +15,7 @@ The trainer runs in a child process (`--child`) that wraps a few functions to kn
 is in and kills the real server there; nothing is mocked. Phases: the per-step reseed, mid-
 generation (after the first answered request), the verification request, each call of the weight
 sync through vLLM's weight-transfer routes (/pause, /init_weight_transfer_engine,
-/start_weight_update, /update_weights, /finish_weight_update, the workers' `mrl_loaded` report,
+/start_weight_update, /update_weights, /finish_weight_update, the workers' `mrl_check_loaded` check,
 /reset_prefix_cache, /resume), and the moments the server is idle (the trainer computing
 log-probs, training, writing the sync segments, saving a checkpoint: the death is met at the next
 call). /init_weight_transfer_engine is called once per server process, so its kill comes while a
@@ -49,7 +49,7 @@ SERVER_CALLS = {"/pause": "pause", "/init_weight_transfer_engine": "init", "/sta
                 "/update_weights": "update", "/finish_weight_update": "finish",
                 "/reset_prefix_cache": "reset", "/resume": "resume"}
 """The weight sync's routes (sync/routes.py `EngineLink`) → phase."""
-RPCS = {"mrl_reseed": "reseed", "mrl_loaded": "loaded"}
+RPCS = {"mrl_reseed": "reseed", "mrl_check_loaded": "loaded"}
 """`/collective_rpc` methods → phase (the workers' report of what they loaded ends each sync)."""
 PHASES = ("reseed", "generate", "verify", *SERVER_CALLS.values(), "loaded", "logprobs", "train", "sync_write",
           "checkpoint")

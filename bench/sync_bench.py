@@ -22,7 +22,7 @@ Qwen3-MoE of ~491 MB built locally, exact size in the output):
     write        the copy into the segments (send_bucket; the server is still serving then);
     pause        /pause (in finish, once everything is written);
     reload       /start_weight_update + /update_weights + /finish_weight_update + the workers'
-                 `mrl_loaded` report: the server maps the segments, runs vLLM's layer-wise reload
+                 `mrl_check_loaded` check: the server maps the segments, runs vLLM's layer-wise reload
                  from views into them and re-packs the CPU MoE experts;
     reset/resume /reset_prefix_cache + /resume.
   trainer_s = gather + write; server_s = reload (+ the control round trips, listed apart).
@@ -180,7 +180,7 @@ def one_sync(actor: Any, adapter: Any, inner: SharedSegmentTransport, times: dic
     assert report is not None
     write = times["send_bucket"]
     gather = wall - times["begin"] - times["send_bucket"] - times["finish"]     # begin: no server call
-    reload = sum(times[f"post /{r}"] for r in ENGINE_ROUTES) + times["rpc mrl_loaded"]
+    reload = sum(times[f"post /{r}"] for r in ENGINE_ROUTES) + times["rpc mrl_check_loaded"]
     calls = ("begin", "send_bucket", "finish")
     return {
         "version": version, "bytes": report.bytes, "tensors": report.tensors, "parts": report.parts,

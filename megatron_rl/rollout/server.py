@@ -60,6 +60,13 @@ def control_client(incarnation: tuple[str, int, int]) -> httpx.Client:
     return client
 
 
+def drop_control_client(incarnation: tuple[str, int, int]) -> None:
+    """Close this thread's connection to `incarnation`: the next control request opens a new one."""
+    client = _http.__dict__.get("clients", {}).pop(incarnation, None)
+    if client is not None:
+        client.close()
+
+
 class ServerError(RuntimeError):
     """The server did not come up, or died."""
 
@@ -289,8 +296,12 @@ class RolloutServer:
         self.restarts += 1
         self.start()
 
+    @property
+    def _incarnation(self) -> tuple[str, int, int]:
+        return self.base_url, self.proc.pid if self.proc is not None else 0, self.restarts
+
     def _http(self) -> httpx.Client:
-        return control_client((self.base_url, self.proc.pid if self.proc is not None else 0, self.restarts))
+        return control_client(self._incarnation)
 
     def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
              timeout: float = 600.0) -> Any:
@@ -298,6 +309,11 @@ class RolloutServer:
         resp = self._http().post(self.base_url + path, json=body, params=params, timeout=timeout,
                                  headers={"Authorization": f"Bearer {self.token}"})
         if resp.status_code != 200:
+            if resp.status_code >= 500:
+                # Behind vLLM's 500 answers is an exception that Starlette re-raises once the answer
+                # is sent, and uvicorn then closes the connection: reusing it would be reset under
+                # the next request (a healthy server taken for a dead one).
+                drop_control_client(self._incarnation)
             raise ServerError(f"{path}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else None
 

@@ -1,20 +1,22 @@
-"""vLLM worker extension (`--worker-extension-cls`): report what the weight-transfer engines loaded.
+"""vLLM worker extension (`--worker-extension-cls`): report and check what the weight-transfer engines loaded.
 
 Weights reach the workers through vLLM's weight-transfer routes and the engines of
 `rollout/engines/`, which importing this module (vLLM does, in every worker, before the model
 loads) registers with vLLM's factory. The methods here, called through the server's
-`/collective_rpc` with string arguments only, report what the engines loaded (`engines.loaded.LOADED`),
-commit the version of a GPU-engine update, and re-seed and record routes for the trainer.
+`/collective_rpc` with string arguments only, report and check what the engines loaded
+(`engines.loaded.LOADED`), commit the version of a GPU-engine update, and re-seed and record routes
+for the trainer.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from . import engines
-from .engines.loaded import LOADED
+from .engines.loaded import LOADED, check_loaded
 
 engines.register()
 
@@ -32,6 +34,17 @@ class WorkerExtension:
     def mrl_loaded(self) -> dict[str, Any]:
         """What the last update loaded here (version, tensors, MoE layers re-packed)."""
         return dict(LOADED)
+
+    def mrl_check_loaded(self, expected: str) -> dict[str, Any]:
+        """Raise unless the last update loaded here what the trainer sent (`expected`: JSON of the
+        `LOADED` fields to compare). The check runs in the worker, not in the trainer, because
+        under DP > 1 vLLM runs a /collective_rpc on every engine but answers with engine 0's
+        results only; a worker that raises fails the call whichever engine it belongs to."""
+        # vLLM numbers a dense model's DP engines 0 each (they are independent replicas): the pid
+        # tells them apart.
+        dp = getattr(getattr(self, "parallel_config", None), "data_parallel_rank", 0)
+        return check_loaded(LOADED, expected, f"DP rank {dp}, worker rank {getattr(self, 'rank', '?')}, "
+                                              f"pid {os.getpid()}")
 
     def mrl_commit_version(self, version: str) -> dict[str, Any]:
         """After an update through vLLM's own GPU engines (which carry no version): record it."""

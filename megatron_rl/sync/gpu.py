@@ -16,8 +16,9 @@ Every tensor is sent from `self.device`, the device given at construction (rank 
   answers for engine 0's workers only, so the other engines' GPUs come from the DP layout
   (`topology.ipc_devices`). One node only (lint: `weight-transfer`).
 
-With DP > 1 the per-worker count of what was loaded (`mrl_loaded`, /collective_rpc) is engine 0's
-only (audit-2 #13); vLLM's /update_weights and /finish_weight_update do reach every engine.
+With DP > 1 /collective_rpc answers with engine 0's workers only, so what every worker loaded is
+checked in the workers themselves (`mrl_check_loaded`, `routes.EngineLink.finish`; audit-2 #13), as
+is the commit; vLLM's /update_weights and /finish_weight_update reach every engine.
 
 Neither keeps a copy of the weights, so a restarted server cannot be brought back to them here:
 `resend_latest` raises (the run stops; resuming from the checkpoint syncs again).
@@ -159,9 +160,8 @@ class _GpuTransport:
             raise RuntimeError(f"weight update incomplete: {len(self.sent)} tensors sent, {len(names)} expected")
         results = []
         for link in self.links:
-            loaded = link.finish(self.version)
-            if loaded.get("tensors") != len(names):
-                raise RuntimeError(f"{link.server.base_url}: the workers loaded {loaded}, {len(names)} tensors sent")
+            # version None: finished, not yet committed (vLLM's GPU engines carry no version)
+            link.finish(self.version, expect={"version": None, "tensors": len(names)})
             results.append(one_result(link.server.rpc("mrl_commit_version", str(self.version))))
         return {**results[0], "servers": len(results)}
 

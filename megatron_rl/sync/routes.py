@@ -3,14 +3,18 @@
 The trainer side of one sync is the same whatever carries the bytes: per server, /pause (waiting
 for requests in flight) → /init_weight_transfer_engine (once per server process) →
 /start_weight_update → /update_weights (one or more) → /finish_weight_update (with the version)
-→ /reset_prefix_cache (KV blocks of the old weights) → /resume, and the workers' own report of
-what they loaded (`mrl_loaded`: all workers must agree). What `/update_weights` carries is the
+→ /reset_prefix_cache (KV blocks of the old weights) → /resume, and the workers' own check of
+what they loaded (`mrl_check_loaded`: every worker of every DP engine compares its record with what
+the trainer sent, and raises if they differ; vLLM answers a /collective_rpc with engine 0's results
+only, `vllm/v1/engine/core_client.py:1699-1701`, but runs it on every engine and fails if any
+engine's call fails, `:1262-1269`). What `/update_weights` carries is the
 backend's business (`shm.py`: a manifest of segment files; `gpu.py`: vLLM's own nccl / ipc
 payloads); the engines that receive it are in `rollout/engines/`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -80,17 +84,21 @@ class EngineLink:
     def update(self, update_info: dict[str, Any]) -> None:
         self.server.post("/update_weights", {"update_info": update_info})
 
-    def finish(self, version: int) -> dict[str, Any]:
-        """Close the update, drop the KV cache of the old weights, resume; what the workers loaded."""
+    def finish(self, version: int, expect: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the update, drop the KV cache of the old weights, resume; what the workers loaded.
+        With `expect` (fields of the workers' `LOADED` record), every worker of every engine checks
+        that it loaded exactly that, and the call fails if one did not."""
         try:
             self.server.post("/finish_weight_update", {"weight_version": str(version)})
-            loaded = one_result(self.server.rpc("mrl_loaded"))
+            loaded = one_result(self.server.rpc("mrl_loaded") if expect is None
+                                else self.server.rpc("mrl_check_loaded", json.dumps(expect)))
             self.server.post("/reset_prefix_cache")
         finally:
             self.server.post("/resume")
         return loaded
 
-    def round(self, version: int, updates: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def round(self, version: int, updates: Sequence[dict[str, Any]],
+              expect: dict[str, Any] | None = None) -> dict[str, Any]:
         self.start()
         try:
             for update in updates:
@@ -98,4 +106,4 @@ class EngineLink:
         except BaseException:
             self.server.post("/resume")
             raise
-        return self.finish(version)
+        return self.finish(version, expect)

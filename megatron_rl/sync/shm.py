@@ -238,11 +238,8 @@ class ShmLink(EngineLink):
 
     def load(self, version: int, manifest: str) -> dict[str, Any]:
         spec = json.loads(manifest)
-        result = self.round(version, [{"version": version, "segments": spec["segments"], "tensors": spec["tensors"]}])
-        if result.get("version") != version or result.get("tensors") != len(spec["tensors"]):
-            raise RuntimeError(f"{getattr(self.server, 'base_url', 'server')}: loaded {result}, sent version "
-                               f"{version} with {len(spec['tensors'])} tensors")
-        return result
+        return self.round(version, [{"version": version, "segments": spec["segments"], "tensors": spec["tensors"]}],
+                          expect={"version": version, "tensors": len(spec["tensors"])})
 
     def resend_latest(self) -> dict[str, Any] | None:
         """The latest complete update again (a restarted server); None if there was none."""

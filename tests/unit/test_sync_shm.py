@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_rl.rollout.engines.loaded import views
+from megatron_rl.rollout.engines.loaded import check_loaded, views
 from megatron_rl.sync.shm import ALIGN, SegmentLayout, SharedSegmentTransport
 
 
@@ -43,12 +43,14 @@ class EngineRecorder:
             assert body == {"weight_version": str(self.version)}
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
+        """The workers' own check (`WorkerExtension.mrl_check_loaded`), two workers."""
         self.calls.append(method)
-        assert method == "mrl_loaded"
-        return [{"version": self.version, "tensors": len(self.loaded) - self.lie}] * 2      # two workers
+        assert method == "mrl_check_loaded"
+        record = {"version": self.version, "tensors": len(self.loaded) - self.lie}
+        return [check_loaded(record, args[0], f"worker {i}") for i in range(2)]
 
 
-ROUND = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "mrl_loaded",
+ROUND = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "mrl_check_loaded",
          "/reset_prefix_cache", "/resume"]
 
 
@@ -249,8 +251,18 @@ def test_a_worker_report_that_does_not_match_what_was_sent_is_an_error() -> None
     server.lie = True
     transport = SharedSegmentTransport([server], None, segment_bytes=1 << 10)
     try:
-        with pytest.raises(RuntimeError, match="loaded"):
+        with pytest.raises(RuntimeError, match=r"check failed on worker 0: loaded \{'version': 1, 'tensors': \d+\}"):
             _send(transport, 1, _state(0))
         assert server.calls[-1] == "/resume"                                        # serving again
     finally:
         transport.close()
+
+
+def test_the_workers_check_compares_only_the_fields_sent_and_names_the_worker() -> None:
+    record = {"version": 3, "tensors": 12, "moe_layers_repacked": 2}
+    assert check_loaded(record, '{"version": 3, "tensors": 12}', "w") == record
+    assert check_loaded({"version": None, "tensors": 4}, '{"version": null, "tensors": 4}', "w")["tensors"] == 4
+    with pytest.raises(RuntimeError, match=r"on DP rank 1, worker rank 0: loaded \{'version': 2\}, the trainer sent"):
+        check_loaded(record | {"version": 2}, '{"version": 3}', "DP rank 1, worker rank 0")
+    with pytest.raises(RuntimeError, match="'tensors': None"):
+        check_loaded({"version": 3}, '{"version": 3, "tensors": 12}', "w")        # nothing loaded

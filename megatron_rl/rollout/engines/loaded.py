@@ -1,11 +1,12 @@
 """What a vLLM worker loaded, and the pieces every engine loads with (no vLLM imports here).
 
 `LOADED` is this worker process's record of its last update (one worker per process): the engines
-write it, `WorkerExtension.mrl_loaded` / `mrl_weight_version` report it to the trainer.
+write it, `WorkerExtension.mrl_check_loaded` / `mrl_loaded` / `mrl_weight_version` check and report it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,16 @@ import torch
 LOADED: dict[str, Any] = {"version": 0}
 """What this worker process last loaded: version (None: finished, not yet committed), tensors,
 MoE layers re-packed."""
+
+
+def check_loaded(record: dict[str, Any], expected: str, where: str) -> dict[str, Any]:
+    """`record` (a worker's `LOADED`) if it holds the fields of `expected` (JSON, from the trainer)
+    with the same values; otherwise RuntimeError naming `where` (which DP engine and worker)."""
+    want = json.loads(expected)
+    got = {key: record.get(key) for key in want}
+    if got != want:
+        raise RuntimeError(f"weight update check failed on {where}: loaded {got}, the trainer sent {want}")
+    return dict(record)
 
 
 def views(tensors: list[list[Any]], segments: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
