@@ -41,6 +41,10 @@ GPU terms outside the model state (added to the trainer's worst stage, `gpu_extr
 * weight-sync gather (global rank 0) — the largest part rank 0 holds at once: the larger of
   `sharding.GATHER_CHUNK_BYTES` and the largest unsharded tensor, twice (received, and its HF copy
   or dtype cast), plus the `nccl` transport's packed broadcast buffers (2 × 1 GiB, vLLM's default);
+* weight-sync bucket (`nccl`, `ipc`) — the gathered parts the GPU transports hold until a bucket
+  is full (`topology.transport_bucket_bytes`: `rollout.sync_bucket_mb`, capped for `ipc`), on rank
+  0's GPU; `ipc` also copies each bucket to every server GPU of that node (rank 0's allocator
+  keeps the blocks), so every GPU of stage 0 on rank 0's node holds one;
 * routing-replay routes (`rollout.routing_replay`) — each in-flight micro-batch's ids on the device
   as int64 (the index dtype of the router's gather);
 * gathered log-probs (last stage) — every row's log-probs, fp32, gathered over DP
@@ -58,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.schema import ParallelismConfig, RecipeConfig
+from ..topology import transport_bucket_bytes
 from .memory import (
     DTYPE_BYTES,
     GB,
@@ -216,6 +221,11 @@ def gpu_extra_terms(cfg: RecipeConfig, params: ModelParams, stage: int, in_fligh
         packed = NCCL_PACKED_BYTES if r.weight_transfer == "nccl" else 0
         out.append(Term("sync_gather", "weight-sync gather (rank 0)", (part + packed) / GB,
                         "largest part, twice" + (" + NCCL packed buffers" if packed else "")))
+        if r.weight_transfer in ("nccl", "ipc"):
+            bucket = transport_bucket_bytes(r.weight_transfer, r.sync_bucket_mb << 20)
+            out.append(Term("sync_bucket", "weight-sync bucket (GPU transports)", bucket / GB,
+                            f"{bucket >> 20} MiB" + (" on every server GPU of rank 0's node"
+                                                     if r.weight_transfer == "ipc" else " on rank 0's GPU")))
     if r.routing_replay and params.dims.experts:
         moe = sum(1 for layer in params.layers if layer.ffn == "moe")
         ids = microbatch_tokens(cfg) / cfg.parallelism.context_parallel_size * moe * params.dims.top_k * 8 * in_flight
