@@ -25,7 +25,8 @@ Trainer node, per rank × ranks per node (every rank holds the step's rollout on
   and NCCL's pinned host buffers add a few GB per GPU process (an estimate, not derived);
 * weight-sync segments (rank 0's node, `weight_transfer: shm`) — one copy of the synced weights in
   the rollout dtype: in /dev/shm (tmpfs = RAM) for a lone server on that node, else files in the
-  shared run directory whose written pages stay in the page cache (reclaimable once flushed);
+  shared run directory whose written pages stay in the page cache (reclaimable once flushed); the
+  largest sync counts, which with QLoRA is the first (every tensor, `first_sync_bytes`);
 * checkpoint page cache (start-up, reclaimable) — safetensors memory-maps the HF shards; the pages
   the node's ranks read stay cached: the node's share of the checkpoint (dense weights read by
   every rank that holds them; experts by their EP rank). `megatron-rl convert` (a separate CPU
@@ -174,9 +175,12 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemor
                     f"{prompt:.0f} + {response:.0f} tokens per sample per rank"),
            HostTerm("cpu_adam", "CPU Adam states + grad staging", ranks * (stage.host_gb + staging),
                     "optimizer_cpu_offload" if offload else "optimizer on the GPU")]
-    sync = sync_bytes(params, cfg) / GB if r.weight_transfer == "shm" else 0.0
+    shm = r.weight_transfer == "shm"
+    sync, later = (first_sync_bytes(params, cfg) / GB, sync_bytes(params, cfg) / GB) if shm else (0.0, 0.0)
     lone = r.placement == "colocated" and cfg.parallelism.nodes == 1
-    where = "/dev/shm (tmpfs)" if lone else "page cache of the shared run dir" if sync else r.weight_transfer
+    where: str = "/dev/shm (tmpfs)" if lone else "page cache of the shared run dir" if sync else r.weight_transfer
+    if later != sync:           # QLoRA: the first sync's segments, re-created smaller after it
+        where += f"; the first sync (the whole base), then {later:.1f} GB"
     out.append(HostTerm("sync_segments", "weight-sync segments (rank 0's node)", sync, where, reclaimable=not lone))
     share = checkpoint_share_bytes(params, cfg.parallelism, ranks, DTYPE_BYTES[r.dtype])
     out.append(HostTerm("checkpoint_cache", "checkpoint page cache (start-up)", share / GB,
@@ -202,6 +206,15 @@ def sync_bytes(params: ModelParams, cfg: RecipeConfig) -> float:
         return params.total * nbytes
     touched = params.component("attention") + (params.component("moe_experts") if "experts" in cfg.lora.targets else 0)
     return touched * nbytes
+
+
+def first_sync_bytes(params: ModelParams, cfg: RecipeConfig) -> float:
+    """Bytes of a run's first sync: `sync_bytes`, but with a quantized base (QLoRA) every tensor —
+    the servers start from the original base, the trainer's is its NF4 image, so the first sync
+    sends all of it dequantized (`sync/lora.py::sync_actor`): ~470 GB for Qwen3-235B."""
+    if cfg.lora.rank and cfg.lora.base_quantization != "none":
+        return params.total * DTYPE_BYTES[cfg.rollout.dtype]
+    return sync_bytes(params, cfg)
 
 
 def largest_tensor(params: ModelParams) -> float:

@@ -85,6 +85,32 @@ def test_qlora_recipe_layout_terms_by_hand() -> None:
     assert dropout / GB == pytest.approx(6.6, abs=0.05)
 
 
+def test_qlora_first_sync_sends_the_whole_base() -> None:
+    """audit-5 #3: the first QLoRA sync sends every tensor, dequantized (`sync/lora.py::sync_actor`),
+    later ones the merged attention tensors only: the host term holds the first, the time note says it."""
+    from megatron_rl.planner.gpus import GPUS
+    from megatron_rl.planner.host import first_sync_bytes, sync_bytes
+    from megatron_rl.planner.memory import rollout_memory
+    from megatron_rl.planner.timing import sync_seconds
+
+    params = count_params(Q235)
+    for overrides, lone in (([], False), (["rollout.placement=colocated", "rollout.nodes=0"], True)):
+        cfg = load_recipe(RECIPE, overrides)
+        later = LAYERS * (ATTENTION + 2 * 128) * 2               # q/k/v/o and the q/k norms, bf16
+        assert sync_bytes(params, cfg) == later and later / GB == pytest.approx(13.4, abs=0.05)
+        assert first_sync_bytes(params, cfg) == params.total * 2 and params.total * 2 / GB == pytest.approx(470.2, 1e-3)
+        est = estimate(cfg, params, HW)
+        (segments,) = [t for t in est.nodes[0].host_terms if t.key == "sync_segments"]
+        assert segments.gb == pytest.approx(params.total * 2 / GB) and segments.reclaimable is not lone
+        assert "then 13.4 GB" in segments.note
+        phase = sync_seconds(params, cfg, rollout_memory(params, cfg, HW), GPUS["H100"], HW)
+        assert "13.4 GB" in phase.note and "the first sync sends the whole base: 470.2 GB" in phase.note
+    # LoRA on a bf16 base: the server starts from the same base, every sync is the touched tensors.
+    lora = load_recipe(RECIPE, ["lora.base_quantization=none"])
+    assert first_sync_bytes(params, lora) == sync_bytes(params, lora)
+    assert "first sync" not in sync_seconds(params, lora, rollout_memory(params, lora, HW), GPUS["H100"], HW).note
+
+
 @pytest.fixture(scope="module")
 def answers() -> dict:
     return {a.mode: a for a in compare(load_recipe(RECIPE), Q235, HW)}

@@ -138,6 +138,40 @@ def test_aborted_in_place_update_blocks_resending_but_a_shared_dir_keeps_the_lat
             t.close()
 
 
+def _allocated(directory: Path) -> int:
+    """Bytes the directory's files hold in RAM / on disk (sparse files: only what was written)."""
+    return sum(f.stat().st_blocks * 512 for f in directory.iterdir())
+
+
+def test_in_place_segments_shrink_after_a_large_update_and_grow_back() -> None:
+    """QLoRA: the first sync sends the whole base, later ones only the adapted tensors. In place
+    (/dev/shm) the segments the small update does not need are deleted, and a segment whose large
+    tensor moved on gets a smaller file; what the server loads is what was sent every time."""
+    kib = 1 << 10
+    g = torch.Generator().manual_seed(0)
+    full = {"embed": torch.randn(4 * kib, generator=g),                          # 16 KiB: its own segment
+            **{f"layer{i}": torch.randn(kib, generator=g) for i in range(12)}}   # 4 KiB each
+    small = {"embed": torch.randn(64, generator=g), "layer0": torch.randn(kib, generator=g)}
+    server = EngineRecorder()
+    t = SharedSegmentTransport([server], None, segment_bytes=8 * kib)
+    try:
+        for version, sent in enumerate((full, small, full, small), start=1):
+            _update(t, version, sent)
+            assert set(server.loaded) == set(sent) and all(torch.equal(server.loaded[n], x) for n, x in sent.items())
+            directory = t.latest[2]
+            files = sorted(directory.iterdir())
+            assert [Path(p) for p, _ in server.manifests[-1]["segments"]] == files    # nothing else is left
+            if sent is full:     # embed alone (16 KiB), then 12 × 4 KiB in pairs: 7 segments, ~64 KiB
+                assert [f.stat().st_size for f in files] == [16 * kib] + [8 * kib] * 6
+            else:                # one 8 KiB segment: embed (256 B) and layer0 (4 KiB)
+                assert [f.stat().st_size for f in files] == [8 * kib]
+                assert _allocated(directory) <= 8 * kib
+        assert t.links[0].resend_latest()["version"] == 4
+        assert all(torch.equal(server.loaded[n], x) for n, x in small.items())
+    finally:
+        t.close()
+
+
 def test_no_room_for_the_segments_is_an_error_naming_the_directory(tmp_path: Path) -> None:
     """A mapped file whose pages cannot be allocated would kill the trainer with SIGBUS on first
     touch; the transport reserves each range first and raises instead. The file-size limit stands
