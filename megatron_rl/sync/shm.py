@@ -260,7 +260,9 @@ class ShmLink(EngineLink):
 
     def load(self, version: int, manifest: str) -> dict[str, Any]:
         spec = json.loads(manifest)
-        result = self.round(version, [{"version": version, "segments": spec["segments"], "tensors": spec["tensors"]}])
+        nbytes = sum(size for _, size in spec["segments"])       # what the workers read, at most
+        result = self.round(version, [{"version": version, "segments": spec["segments"], "tensors": spec["tensors"]}],
+                            [nbytes])
         if result.get("version") != version or result.get("tensors") != len(spec["tensors"]):
             raise RuntimeError(f"{getattr(self.server, 'base_url', 'server')}: loaded {result}, sent version "
                                f"{version} with {len(spec['tensors'])} tensors")

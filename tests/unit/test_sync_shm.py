@@ -29,9 +29,11 @@ class EngineRecorder:
         self.loaded: dict[str, torch.Tensor] = {}
         self.version = 0
         self.lie = False
+        self.timeouts: dict[str, float] = {}
 
     def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
         self.calls.append(path)
+        self.timeouts[path] = timeout
         if path == "/update_weights":
             info = body["update_info"]
             self.manifests.append(info)
@@ -168,6 +170,30 @@ def test_in_place_segments_shrink_after_a_large_update_and_grow_back() -> None:
                 assert _allocated(directory) <= 8 * kib
         assert t.links[0].resend_latest()["version"] == 4
         assert all(torch.equal(server.loaded[n], x) for n, x in small.items())
+    finally:
+        t.close()
+
+
+def test_update_timeouts_grow_with_the_bytes() -> None:
+    """audit-5 #4: QLoRA's first sync of Qwen3-235B is one /update_weights of 470 GB; its timeout
+    is the control requests' 600 s plus the bytes at 1 GB/s, /finish_weight_update's too. Pure
+    function, then through the real round of the shm link (the manifest's segment bytes)."""
+    from megatron_rl.rollout.server import CONTROL_TIMEOUT_S
+    from megatron_rl.sync.routes import UPDATE_FLOOR_BYTES_PER_S, update_timeout_s
+
+    assert (CONTROL_TIMEOUT_S, UPDATE_FLOOR_BYTES_PER_S) == (600.0, 1e9)
+    assert update_timeout_s(0) == update_timeout_s(-1) == 600.0
+    assert update_timeout_s(470.2e9) == pytest.approx(1070.2)
+    assert update_timeout_s(512 << 20) == pytest.approx(600.0 + 0.536870912)
+    server = EngineRecorder()
+    t = SharedSegmentTransport([server], None, segment_bytes=1 << 20)
+    try:
+        _update(t, 1, {"a": torch.zeros(3 << 20, dtype=torch.uint8), "b": torch.zeros(10, dtype=torch.uint8)})
+        segments = sum(size for _, size in server.manifests[-1]["segments"])
+        assert segments == (3 << 20) + (1 << 20)           # a: its own 3 MiB segment, b: one of 1 MiB
+        assert server.timeouts["/update_weights"] == server.timeouts["/finish_weight_update"] \
+            == pytest.approx(600.0 + segments / 1e9)
+        assert server.timeouts["/pause"] == 600.0
     finally:
         t.close()
 

@@ -143,3 +143,7 @@ def test_gpu_transport_holds_parts_until_a_bucket_is_full() -> None:
     assert t.buckets == [["w0", "w1", "w2"]] and list(t.pending) == ["w3", "w4"]
     t.flush()                                                                  # what finish() does first
     assert t.buckets == [["w0", "w1", "w2"], ["w3", "w4"]] and t.pending == {}
+    assert t.sent_bytes == 5 * 400          # the timeout of the update's /finish_weight_update
+    t.connected_at = []                     # no servers to connect to
+    t.begin(2)
+    assert t.sent_bytes == 0 and t.sent == []
