@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..model_config import ModelConfigError, num_experts, resolve_hf_config
+from ..model_config import ModelConfigError, num_experts, read_hf_config, resolve_hf_config
 from ..topology import duplicate_gpus, nccl_weight_group
 from .schema import RecipeConfig
 
@@ -361,8 +361,13 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     if "experts" in lo.targets and p.expert_tp > 1:
         out.append(Finding("error", "lora-targets", "parallelism.expert_tensor_parallel_size",
                            "lora.targets 'experts' needs expert_tensor_parallel_size 1 (it defaults to the TP size)"))
-    if "experts" in lo.targets and cfg.gpus_per_node and (hf is None or num_experts(hf)) \
-            and lo.base_quantization == "none":
+    gpu_experts = "experts" in lo.targets and cfg.gpus_per_node and lo.base_quantization == "none"
+    if gpu_experts and hf is None:
+        # Without the model's config this cannot tell a MoE model (refused below) from a dense one
+        # (refused above, once the config reads): say that, not a claim about the model.
+        out.append(Finding("warning", "lora-targets", "model.hf_config",
+                           f"'experts' on a GPU job not checked: {_no_hf_config(cfg)}"))
+    elif gpu_experts and hf is not None and num_experts(hf):
         # The GPU build groups a layer's experts into TE's grouped GEMM (`megatron/gpt.py::moe_config`),
         # which has no per-expert linears to hook (`megatron/lora.py` raises after the model build).
         # QLoRA's spec (`megatron/qlora_spec.py`) runs them as SequentialMLP over local linears.
@@ -372,6 +377,18 @@ def _lora(cfg: RecipeConfig, hf: HF) -> list[Finding]:
                            "(lora.base_quantization: nf4, whose spec has per-expert linears), or a CPU job "
                            "(slurm.gpus_per_node 0)"))
     return out
+
+
+def _no_hf_config(cfg: RecipeConfig) -> str:
+    """Why a rule has no HF config to read (`lint` passes None): the recipe names none, or the
+    file is missing or unreadable here (the error says which file and why)."""
+    if not cfg.model.hf_config:
+        return "the recipe names no model.hf_config"
+    try:
+        read_hf_config(cfg.model.hf_config)
+    except ModelConfigError as exc:
+        return f"the model's HF config cannot be read ({exc})"
+    return f"the model's HF config {cfg.model.hf_config} was not read"
 
 
 @rule("thinking-budget")

@@ -189,7 +189,8 @@ class RolloutConfig:
     sync_bucket_mb: int = spec(512, ge=1)
     """Weight-sync bucket size in MiB: the shm transport's segment size (a tensor larger than this
     gets a segment of its own); the GPU transports (nccl, ipc) hold gathered parts on rank 0's GPU
-    until this much is pending and send it as one update."""
+    until this much is pending and send it as one update (ipc: at most 128 MiB, since each bucket
+    is copied to every server GPU: `topology.IPC_BUCKET_CAP_BYTES`)."""
     weight_transfer: Literal["shm", "nccl", "ipc"] = "shm"
     """How weight syncs reach the servers, always through vLLM's weight-transfer engine routes:
     'shm' = trainer rank 0 writes one copy of the weights into segment files (/dev/shm, or the

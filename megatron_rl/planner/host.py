@@ -25,7 +25,8 @@ Trainer node, per rank × ranks per node (every rank holds the step's rollout on
   and NCCL's pinned host buffers add a few GB per GPU process (an estimate, not derived);
 * weight-sync segments (rank 0's node, `weight_transfer: shm`) — one copy of the synced weights in
   the rollout dtype: in /dev/shm (tmpfs = RAM) for a lone server on that node, else files in the
-  shared run directory whose written pages stay in the page cache (reclaimable once flushed);
+  shared run directory whose written pages stay in the page cache (reclaimable once flushed); the
+  largest sync counts, which with QLoRA is the first (every tensor, `first_sync_bytes`);
 * checkpoint page cache (start-up, reclaimable) — safetensors memory-maps the HF shards; the pages
   the node's ranks read stay cached: the node's share of the checkpoint (dense weights read by
   every rank that holds them; experts by their EP rank). `megatron-rl convert` (a separate CPU
@@ -41,6 +42,10 @@ GPU terms outside the model state (added to the trainer's worst stage, `gpu_extr
 * weight-sync gather (global rank 0) — the largest part rank 0 holds at once: the larger of
   `sharding.GATHER_CHUNK_BYTES` and the largest unsharded tensor, twice (received, and its HF copy
   or dtype cast), plus the `nccl` transport's packed broadcast buffers (2 × 1 GiB, vLLM's default);
+* weight-sync bucket (`nccl`, `ipc`) — the gathered parts the GPU transports hold until a bucket
+  is full (`topology.transport_bucket_bytes`: `rollout.sync_bucket_mb`, capped for `ipc`), on rank
+  0's GPU; `ipc` also copies each bucket to every server GPU of that node (rank 0's allocator
+  keeps the blocks), so every GPU of stage 0 on rank 0's node holds one;
 * routing-replay routes (`rollout.routing_replay`) — each in-flight micro-batch's ids on the device
   as int64 (the index dtype of the router's gather);
 * gathered log-probs (last stage) — every row's log-probs, fp32, gathered over DP
@@ -58,6 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.schema import ParallelismConfig, RecipeConfig
+from ..topology import transport_bucket_bytes
 from .memory import (
     DTYPE_BYTES,
     GB,
@@ -169,9 +175,12 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemor
                     f"{prompt:.0f} + {response:.0f} tokens per sample per rank"),
            HostTerm("cpu_adam", "CPU Adam states + grad staging", ranks * (stage.host_gb + staging),
                     "optimizer_cpu_offload" if offload else "optimizer on the GPU")]
-    sync = sync_bytes(params, cfg) / GB if r.weight_transfer == "shm" else 0.0
+    shm = r.weight_transfer == "shm"
+    sync, later = (first_sync_bytes(params, cfg) / GB, sync_bytes(params, cfg) / GB) if shm else (0.0, 0.0)
     lone = r.placement == "colocated" and cfg.parallelism.nodes == 1
-    where = "/dev/shm (tmpfs)" if lone else "page cache of the shared run dir" if sync else r.weight_transfer
+    where: str = "/dev/shm (tmpfs)" if lone else "page cache of the shared run dir" if sync else r.weight_transfer
+    if later != sync:           # QLoRA: the first sync's segments, re-created smaller after it
+        where += f"; the first sync (the whole base), then {later:.1f} GB"
     out.append(HostTerm("sync_segments", "weight-sync segments (rank 0's node)", sync, where, reclaimable=not lone))
     share = checkpoint_share_bytes(params, cfg.parallelism, ranks, DTYPE_BYTES[r.dtype])
     out.append(HostTerm("checkpoint_cache", "checkpoint page cache (start-up)", share / GB,
@@ -199,6 +208,15 @@ def sync_bytes(params: ModelParams, cfg: RecipeConfig) -> float:
     return touched * nbytes
 
 
+def first_sync_bytes(params: ModelParams, cfg: RecipeConfig) -> float:
+    """Bytes of a run's first sync: `sync_bytes`, but with a quantized base (QLoRA) every tensor —
+    the servers start from the original base, the trainer's is its NF4 image, so the first sync
+    sends all of it dequantized (`sync/lora.py::sync_actor`): ~470 GB for Qwen3-235B."""
+    if cfg.lora.rank and cfg.lora.base_quantization != "none":
+        return params.total * DTYPE_BYTES[cfg.rollout.dtype]
+    return sync_bytes(params, cfg)
+
+
 def largest_tensor(params: ModelParams) -> float:
     """Parameters of the largest unsharded tensor (embedding/output, a fused qkv, an expert's fc1)."""
     d = params.dims
@@ -216,6 +234,11 @@ def gpu_extra_terms(cfg: RecipeConfig, params: ModelParams, stage: int, in_fligh
         packed = NCCL_PACKED_BYTES if r.weight_transfer == "nccl" else 0
         out.append(Term("sync_gather", "weight-sync gather (rank 0)", (part + packed) / GB,
                         "largest part, twice" + (" + NCCL packed buffers" if packed else "")))
+        if r.weight_transfer in ("nccl", "ipc"):
+            bucket = transport_bucket_bytes(r.weight_transfer, r.sync_bucket_mb << 20)
+            out.append(Term("sync_bucket", "weight-sync bucket (GPU transports)", bucket / GB,
+                            f"{bucket >> 20} MiB" + (" on every server GPU of rank 0's node"
+                                                     if r.weight_transfer == "ipc" else " on rank 0's GPU")))
     if r.routing_replay and params.dims.experts:
         moe = sum(1 for layer in params.layers if layer.ffn == "moe")
         ids = microbatch_tokens(cfg) / cfg.parallelism.context_parallel_size * moe * params.dims.top_k * 8 * in_flight

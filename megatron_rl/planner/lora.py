@@ -83,6 +83,22 @@ def largest_linear(d: Dims, gated: bool, layers: Sequence[Layer], tp: int, etp: 
     return max(sizes)
 
 
+def merged_copy_params(d: Dims, gated: bool, layers: Sequence[Layer], targets: Sequence[str], tp: int, ep: int,
+                       etp: int) -> float:
+    """Parameters on one GPU of the base weights LoRA adapts (`megatron/lora.py::merged_deltas`, at
+    every sync): linear_qkv when q, k or v is a target (the fused weight), linear_proj for o, and
+    with `experts` each local expert's fc1 and fc2."""
+    q_out = d.heads * d.head_dim * (2 if gated else 1)
+    per_layer = d.hidden * (q_out + 2 * d.kv_heads * d.head_dim) / tp if set(targets) & {"q", "k", "v"} else 0.0
+    if "o" in targets:
+        per_layer += d.heads * d.head_dim * d.hidden / tp
+    out = per_layer * sum(1 for layer in layers if layer.mixer == "full_attention")
+    if "experts" in targets and d.experts:
+        moe = sum(1 for layer in layers if layer.ffn == "moe")
+        out += moe * d.experts / ep * 3 * d.hidden * d.moe_intermediate / etp
+    return out
+
+
 @dataclass(frozen=True)
 class StageParams:
     """What one GPU of a pipeline stage holds as parameters, and what of it trains."""

@@ -26,7 +26,9 @@ embedding; the last holds the output layer and the logits — both are computed,
 
 With `lora.rank` > 0 the weights are a frozen base (in NF4 with `base_quantization: nf4`) plus
 adapters, and only the adapters have gradients and optimizer states; the reference is the base
-with the adapters off (no term); see `lora.py`.
+with the adapters off (no term); see `lora.py`. Two moments outside the step are checked apart
+(`lora_peaks`, not summed into the step): QLoRA's start-up, when the stage is built unquantized, and
+each sync, when the adapted base weights are dense (QLoRA: dequantized, plus the copy restored after).
 
 Activation model (bytes stored per token per layer, bf16): the accounting of Korthikanti et al.
 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198, §4),
@@ -68,7 +70,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config.schema import LoraConfig, ParallelismConfig, RecipeConfig
-from .lora import StageParams, stage_params
+from .lora import StageParams, merged_copy_params, stage_params
 from .params import Block, Dims, Layer, ModelParams, PlannerError, Shard
 
 GB = 1e9
@@ -354,6 +356,46 @@ def worst_stage(params: ModelParams, cfg: RecipeConfig, colocated_vllm_gb: float
     stages = {0, pp - 1}
     return max((stage_memory(params, cfg, s, colocated_vllm_gb, extra) for s in sorted(stages)),
                key=lambda m: m.total_gb)
+
+
+RESIDENT_AT_SYNC: tuple[str, ...] = ("weights", "gradients", "optimizer", "reference", "vllm", "overhead",
+                                     "sync_gather", "sync_bucket")
+"""The terms still held when a sync runs (after the step: activations, logits and log-probs are
+freed, and their blocks in the allocator's cache serve the merged copies)."""
+
+
+def lora_peaks(params: ModelParams, cfg: RecipeConfig, colocated_vllm_gb: float,
+               extra: ExtraTerms | None = None) -> tuple[Term, ...]:
+    """A LoRA trainer's GPU at two moments outside the step (worst of the first and last stage):
+
+    * QLoRA's start-up: the stage is built in the training dtype on its GPU and quantized after
+      (`megatron/actor.py`), so the whole bf16 base is there once, before any server starts;
+    * each sync: `merged_deltas` holds every adapted base weight of the GPU densely, plus a saved
+      copy to restore it — with a quantized base that is two dense copies (dequantized + saved)
+      where the step had none."""
+    lo, p, nbytes = cfg.lora, cfg.parallelism, param_bytes(cfg)
+    if not lo.rank:
+        return ()
+    pp = p.pipeline_model_parallel_size
+    tp, ep, etp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.expert_tp
+    quantized = lo.base_quantization != "none"
+    start: list[Term] = []
+    sync: list[Term] = []
+    for stage in sorted({0, pp - 1}):
+        layers, blocks = stage_blocks(params, stage, pp)
+        dense = stage_params(params, layers, blocks, tp, ep, etp, nbytes, lo.rank, tuple(lo.targets), "none")
+        start.append(Term("startup", "start-up, before quantization", dense.weight_bytes / GB + OVERHEAD_GB,
+                          f"stage {stage}: {dense.weight_bytes / GB:.1f} GB of {dense.frozen / 1e9:.2f} B params "
+                          "unquantized + overhead, before the servers start"))
+        copies = merged_copy_params(params.dims, params.spec.gated_attention, layers, tuple(lo.targets), tp, ep, etp)
+        copy_gb = (2 if quantized else 1) * copies * nbytes / GB
+        resident = sum(t.gb for t in stage_memory(params, cfg, stage, colocated_vllm_gb, extra).terms
+                       if t.key in RESIDENT_AT_SYNC)
+        sync.append(Term("sync_copies", "sync: dense adapted weights", resident + copy_gb,
+                         f"stage {stage}: {copy_gb:.1f} GB of {'2' if quantized else '1'} × {copies / 1e9:.2f} B "
+                         f"params ({'dequantized + saved' if quantized else 'saved'}) + what a sync holds"))
+    worst = [max(sync, key=lambda t: t.gb)]
+    return tuple(([max(start, key=lambda t: t.gb)] if quantized else []) + worst)
 
 
 # ----------------------------------------------------------------------------- rollout (vLLM)

@@ -7,7 +7,8 @@ dividing the expert count, ETP ∈ {1, TP}, recompute none / full (uniform, 1 la
 GPU / CPU — keeps those that pass the recipe linter's own divisibility rules ('parallel-sizes',
 'batch-sizes': one definition of validity) and fit with at least SAFE_MARGIN_PCT of the card to
 spare (the estimate assumes balanced expert routing; a hot expert and allocator peaks eat into the
-margin), and ranks them by a cost proxy, smallest first:
+margin; with LoRA, also at start-up and at a sync: `memory.lora_peaks`), and ranks them by a cost
+proxy, smallest first:
 
   1. optimizer on GPU before CPU offload (the offloaded Adam step is PCIe-bound, seconds per step);
   2. no recompute before full recompute (+1 forward, ~1/3 more compute);
@@ -36,6 +37,8 @@ from .memory import (
     Hardware,
     RolloutMemory,
     StageMemory,
+    Term,
+    lora_peaks,
     reserved_by_colocated_vllm,
     rollout_memory,
     worst_stage,
@@ -62,6 +65,8 @@ class Estimate:
     nodes: tuple[NodeMemory, ...] = ()
     """GPU and host memory of each node role."""
     time: StepTime | None = None
+    peaks: tuple[Term, ...] = ()
+    """GPU totals outside the step (LoRA: QLoRA's start-up, a sync's merged copies; `memory.lora_peaks`)."""
 
     @property
     def total_gb(self) -> float:
@@ -77,7 +82,11 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return not self.problems and self.margin_gb >= 0 and self.rollout.fits and self.hosts_fit
+        return (not self.problems and self.margin_gb >= 0 and self.rollout.fits and self.hosts_fit
+                and not self.peaks_over(self.capacity_gb))
+
+    def peaks_over(self, limit_gb: float) -> list[Term]:
+        return [t for t in self.peaks if t.gb > limit_gb]
 
     @property
     def hosts_fit(self) -> bool:
@@ -85,7 +94,8 @@ class Estimate:
 
     @property
     def comfortable(self) -> bool:
-        return self.fits and self.margin_pct >= SAFE_MARGIN_PCT
+        return (self.fits and self.margin_pct >= SAFE_MARGIN_PCT
+                and not self.peaks_over(self.capacity_gb * (1 - SAFE_MARGIN_PCT / 100)))
 
 
 @dataclass(frozen=True)
@@ -123,13 +133,17 @@ def estimate(cfg: RecipeConfig, params: ModelParams, hw: Hardware, problems: tup
              workload: Workload | None = None, rollout: Phase | None = None) -> Estimate:
     """Memory of every node role and, given a `workload`, the step's seconds (`rollout`: the
     rollout phase when already computed: it does not depend on the trainer's layout)."""
-    stage = worst_stage(params, cfg, reserved_by_colocated_vllm(cfg, hw),
-                        lambda s, in_flight: gpu_extra_terms(cfg, params, s, in_flight))
+    vllm_gb = reserved_by_colocated_vllm(cfg, hw)
+
+    def extra(s: int, in_flight: float) -> list[Term]:
+        return gpu_extra_terms(cfg, params, s, in_flight)
+
+    stage = worst_stage(params, cfg, vllm_gb, extra)
     ro = rollout_memory(params, cfg, hw)
     wl = workload or Workload.of(cfg)
     nodes = node_roles(cfg, params, stage, ro, wl, hw)
     time = step_time(params, cfg, ro, wl, gpu(hw.gpu), hw, rollout=rollout) if workload else None
-    return Estimate(cfg, stage, ro, hw.gpu_memory_gb, problems, nodes, time)
+    return Estimate(cfg, stage, ro, hw.gpu_memory_gb, problems, nodes, time, lora_peaks(params, cfg, vllm_gb, extra))
 
 
 def node_roles(cfg: RecipeConfig, params: ModelParams, stage: StageMemory, ro: RolloutMemory,

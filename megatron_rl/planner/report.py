@@ -18,6 +18,9 @@ def _verdict(est: Estimate) -> str:
     why = "" if est.rollout.fits or est.margin_gb < 0 else " (the rollout server does not fit)"
     if not why and est.margin_gb >= 0 and not est.hosts_fit:
         why = " (a node's host memory does not: see below)"
+    over = est.peaks_over(est.capacity_gb)
+    if not why and est.margin_gb >= 0 and est.hosts_fit and over:
+        why = " (" + ", ".join(f"{t.label}: {t.gb:.1f} GB" for t in over) + ")"
     if est.fits and not est.comfortable:
         why = f" (thin: under the {SAFE_MARGIN_PCT:g}% safety margin)"
     return (f"{status}{why}: margin {est.margin_gb:+.1f} GB ({est.margin_pct:+.1f}% of "
@@ -85,8 +88,11 @@ def render(plan: Plan) -> str:
              f"({est.stage.num_layers} layers)", "",
              f"  {'term':<36} {'GB/GPU':>7}  note"]
     lines += [f"  {t.label:<36} {t.gb:>7.2f}  {t.note}" for t in est.stage.terms]
-    lines += [f"  {'total':<36} {est.total_gb:>7.2f}", f"  {'capacity':<36} {est.capacity_gb:>7.2f}",
-              "", f"verdict: {_verdict(est)}", _rollout_line(est.rollout), "",
+    lines += [f"  {'total':<36} {est.total_gb:>7.2f}", f"  {'capacity':<36} {est.capacity_gb:>7.2f}"]
+    if est.peaks:
+        lines += ["", "  outside the step (GPU total at that moment):"]
+        lines += [f"  {t.label:<36} {t.gb:>7.2f}  {t.note}" for t in est.peaks]
+    lines += ["", f"verdict: {_verdict(est)}", _rollout_line(est.rollout), "",
               f"host memory per node (GB; capacity {plan.hardware.host_memory_gb:g} GB, --host-memory-gb):"]
     for node in est.nodes:
         lines += _node_rows(node)
@@ -105,6 +111,7 @@ def _estimate_json(est: Estimate) -> dict[str, Any]:
         "stage": est.stage.stage,
         "stage_layers": est.stage.num_layers,
         "terms_gb": {t.key: round(t.gb, 3) for t in est.stage.terms},
+        "peaks_gb": {t.key: round(t.gb, 3) for t in est.peaks},
         "host_optimizer_gb": round(est.stage.host_gb, 3),
         "total_gb": round(est.total_gb, 3),
         "capacity_gb": est.capacity_gb,

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from ..config.schema import RecipeConfig
 from .gpus import HOST_STEP_OVERHEAD_S, IB_LATENCY_S, NVLINK_LATENCY_S, SHARED_FS_GB_S, GpuSpec
-from .host import sync_bytes
+from .host import first_sync_bytes, sync_bytes
 from .memory import DTYPE_BYTES, GB, Hardware, RolloutMemory, dense_shards, expert_dp, seq_length
 from .params import ModelParams, Shard
 
@@ -373,7 +373,20 @@ def optimizer_seconds(params: ModelParams, cfg: RecipeConfig, g: GpuSpec, hw: Ha
 
 # ----------------------------------------------------------------------------- sync, sleep
 def sync_seconds(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, g: GpuSpec, hw: Hardware) -> Phase:
-    nbytes = sync_bytes(params, cfg)
+    """A step's sync; QLoRA's first sync, which sends the whole dequantized base
+    (`host.first_sync_bytes`), is in the note (once per run, not per step)."""
+    nbytes, first = sync_bytes(params, cfg), first_sync_bytes(params, cfg)
+    gather, send, how = _sync_parts(nbytes, params, cfg, ro, g)
+    note = f"{nbytes / GB:.1f} GB: gather {gather:.1f} s, {how} {send:.1f} s"
+    if first != nbytes:
+        seconds = sum(_sync_parts(first, params, cfg, ro, g)[:2])
+        note += f"; the first sync sends the whole base: {first / GB:.1f} GB, {seconds:.0f} s"
+    return Phase("sync", "weight sync (gather to rank 0 + send + load)", gather + send, note)
+
+
+def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory,
+                g: GpuSpec) -> tuple[float, float, str]:
+    """(gather seconds, send + load seconds, how) of a sync of `nbytes`."""
     nodes = cfg.parallelism.nodes
     gather = nbytes * (1 - 1 / nodes) / (g.ib_gb_s * 1e9) + nbytes / nodes / (g.nvlink_gb_s * 1e9)
     r = cfg.rollout
@@ -381,16 +394,13 @@ def sync_seconds(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, g: G
     # Each server GPU loads its part of what is sent (all of its weights, or LoRA's touched share).
     load = ro.weights_gb * GB * nbytes / (params.total * DTYPE_BYTES[r.dtype]) / (g.pcie_gb_s * 1e9)
     if r.weight_transfer == "nccl":
-        send, how = nbytes / ((g.ib_gb_s if remote else g.nvlink_gb_s) * 1e9), "one NCCL broadcast"
-    elif r.weight_transfer == "ipc":
-        send, how = nbytes * r.tensor_parallel_size * r.data_parallel_size / (g.nvlink_gb_s * 1e9), "CUDA IPC copies"
-    elif remote:            # several servers, or servers on other nodes: the shared run directory
+        return gather, nbytes / ((g.ib_gb_s if remote else g.nvlink_gb_s) * 1e9), "one NCCL broadcast"
+    if r.weight_transfer == "ipc":
+        return gather, nbytes * r.tensor_parallel_size * r.data_parallel_size / (g.nvlink_gb_s * 1e9), "CUDA IPC copies"
+    if remote:            # several servers, or servers on other nodes: the shared run directory
         fs = SHARED_FS_GB_S * 1e9
-        send, how = nbytes / (g.pcie_gb_s * 1e9) + 2 * nbytes / fs + load, "segments in the shared run dir"
-    else:
-        send, how = nbytes / (g.pcie_gb_s * 1e9) + load, "/dev/shm segments"
-    return Phase("sync", "weight sync (gather to rank 0 + send + load)", gather + send,
-                 f"{nbytes / GB:.1f} GB: gather {gather:.1f} s, {how} {send:.1f} s")
+        return gather, nbytes / (g.pcie_gb_s * 1e9) + 2 * nbytes / fs + load, "segments in the shared run dir"
+    return gather, nbytes / (g.pcie_gb_s * 1e9) + load, "/dev/shm segments"
 
 
 def sleep_seconds(cfg: RecipeConfig, ro: RolloutMemory, g: GpuSpec) -> Phase:

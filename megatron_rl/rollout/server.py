@@ -42,6 +42,8 @@ of servers already running, which the trainer attaches to instead of starting it
 KEEPALIVE_S = 2.0
 """How long an idle control connection may be reused: below uvicorn's keep-alive (vLLM's
 VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so the server never closes one a request is about to reuse."""
+CONTROL_TIMEOUT_S = 600.0
+"""A control request's timeout unless its caller sizes one (a weight update: `sync.routes.update_timeout_s`)."""
 _http = threading.local()
 
 
@@ -304,7 +306,7 @@ class RolloutServer:
         return control_client(self._incarnation)
 
     def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
-             timeout: float = 600.0) -> Any:
+             timeout: float = CONTROL_TIMEOUT_S) -> Any:
         """An authenticated control request (pause/resume/collective_rpc/...)."""
         resp = self._http().post(self.base_url + path, json=body, params=params, timeout=timeout,
                                  headers={"Authorization": f"Bearer {self.token}"})
@@ -317,7 +319,7 @@ class RolloutServer:
             raise ServerError(f"{path}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else None
 
-    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
+    def rpc(self, method: str, *args: str, timeout: float = CONTROL_TIMEOUT_S) -> list[Any]:
         return self.post("/collective_rpc", {"method": method, "args": list(args)}, timeout=timeout)["results"]
 
     def sleep(self, level: int) -> None:

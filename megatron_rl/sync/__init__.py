@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from ..topology import transport_bucket_bytes
 from ..weights.map import WeightAdapter
 from .gpu import IpcTransport, NcclTransport
 from .routes import EngineServer
@@ -103,8 +104,8 @@ def make_transport(backend: Backend, servers: Sequence[EngineServer], sync_root:
                    segment_bytes: int, device: torch.device | None = None) -> tuple[Transport, list[Any]]:
     """The sender rank 0 hands to `sync_weights`, and per server the object its supervisor re-sends
     weights through (`latest`, `resend_latest`, `supervise`, `close`). `segment_bytes` is
-    `rollout.sync_bucket_mb`. The GPU backends send from `device`, by default this rank's current
-    CUDA device (where the gather puts the weights)."""
+    `rollout.sync_bucket_mb` (the GPU backends' bucket, which `ipc` caps). The GPU backends send
+    from `device`, by default this rank's current CUDA device (where the gather puts the weights)."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if backend == "shm":
@@ -113,6 +114,7 @@ def make_transport(backend: Backend, servers: Sequence[EngineServer], sync_root:
     if device is None or device.type != "cuda":
         raise ValueError(f"rollout.weight_transfer: {backend!r} sends from a CUDA device; this trainer has "
                          f"{device}. Use 'shm' without GPUs")
-    gpu = NcclTransport(servers, device, bucket_bytes=segment_bytes) if backend == "nccl" else \
-        IpcTransport(servers, device, bucket_bytes=segment_bytes)
+    bucket = transport_bucket_bytes(backend, segment_bytes)       # ipc: capped (topology.py says why)
+    gpu = NcclTransport(servers, device, bucket_bytes=bucket) if backend == "nccl" else \
+        IpcTransport(servers, device, bucket_bytes=bucket)
     return gpu, list(gpu.links)

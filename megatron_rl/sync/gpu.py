@@ -123,6 +123,8 @@ class _GpuTransport:
         and one device synchronise, instead of one per ~32 MiB gather part (~5,000 round trips per
         80B sync). Holding the references is safe: see `sync.Transport`."""
         self.pending: dict[str, torch.Tensor] = {}
+        self.sent_bytes = 0
+        """Bytes of this update sent so far (the timeout of its /finish_weight_update)."""
         self.connected_at: list[int] | None = None
         """Each server's restart count when the engines were initialised."""
 
@@ -130,7 +132,7 @@ class _GpuTransport:
         if self.connected_at != [link.server.restarts for link in self.links]:
             self._connect()
             self.connected_at = [link.server.restarts for link in self.links]
-        self.version, self.sent, self.pending = version, [], {}
+        self.version, self.sent, self.pending, self.sent_bytes = version, [], {}, 0
         started: list[GpuLink] = []
         try:
             for link in self.links:
@@ -150,6 +152,7 @@ class _GpuTransport:
         if self.pending:
             tensors, self.pending = self.pending, {}
             self._send(tensors)
+            self.sent_bytes += sum(t.nbytes for t in tensors.values())
 
     def _send(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
@@ -161,7 +164,7 @@ class _GpuTransport:
         results = []
         for link in self.links:
             # version None: finished, not yet committed (vLLM's GPU engines carry no version)
-            link.finish(self.version, expect={"version": None, "tensors": len(names)})
+            link.finish(self.version, self.sent_bytes, expect={"version": None, "tensors": len(names)})
             results.append(one_result(link.server.rpc("mrl_commit_version", str(self.version))))
         return {**results[0], "servers": len(results)}
 
@@ -209,7 +212,8 @@ class NcclTransport(_GpuTransport):
     def _send(self, tensors: dict[str, torch.Tensor]) -> None:
         local = {n: t.to(self.device).contiguous() for n, t in tensors.items()}
         meta = _meta(local)
-        _on_threads([partial(link.update, meta) for link in self.links],
+        nbytes = sum(t.nbytes for t in local.values())
+        _on_threads([partial(link.update, meta, nbytes) for link in self.links],
                     partial(broadcast, self.comm, local, self.device, self.packed))
         self.sent += meta["names"]
 
@@ -257,7 +261,8 @@ class IpcTransport(_GpuTransport):
         for dev in set(self.targets.values()):
             torch.cuda.synchronize(dev)          # the copies are complete before a worker reads them
         payload = {**meta, "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}
+        nbytes = sum(t.nbytes for t in tensors.values())
         for link in self.links:
-            link.update(payload)
+            link.update(payload, nbytes)
         self.sent += meta["names"]
         del copies

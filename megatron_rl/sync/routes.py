@@ -18,12 +18,14 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..rollout.server import CONTROL_TIMEOUT_S
+
 
 class ControlEndpoint(Protocol):
     def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
-             timeout: float = 600.0) -> Any: ...
+             timeout: float = CONTROL_TIMEOUT_S) -> Any: ...
 
-    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]: ...
+    def rpc(self, method: str, *args: str, timeout: float = CONTROL_TIMEOUT_S) -> list[Any]: ...
 
 
 class EngineServer(ControlEndpoint, Protocol):
@@ -34,6 +36,19 @@ class EngineServer(ControlEndpoint, Protocol):
 
     @property
     def base_url(self) -> str: ...
+
+
+UPDATE_FLOOR_BYTES_PER_S = 1e9
+"""The slowest load of an update allowed before its request times out: 1 GB/s, a tenth of the
+shared file system the planner assumes (`planner/gpus.py` SHARED_FS_GB_S, 10 GB/s; /dev/shm and
+the GPU paths are faster). QLoRA's first sync of Qwen3-235B (470 GB in one /update_weights under
+`shm`) then gets 600 + 470 s, not a fixed 600 s that a slow load would overrun."""
+
+
+def update_timeout_s(nbytes: float) -> float:
+    """Seconds an update request (/update_weights, /finish_weight_update) may take for `nbytes`:
+    at least a control request's CONTROL_TIMEOUT_S, plus `nbytes` at the floor rate."""
+    return CONTROL_TIMEOUT_S + max(0.0, nbytes) / UPDATE_FLOOR_BYTES_PER_S
 
 
 def direct(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -81,15 +96,18 @@ class EngineLink:
             self.server.post("/resume")
             raise
 
-    def update(self, update_info: dict[str, Any]) -> None:
-        self.server.post("/update_weights", {"update_info": update_info})
+    def update(self, update_info: dict[str, Any], nbytes: float = 0) -> None:
+        """Send one update of `nbytes` (its request's timeout grows with them: `update_timeout_s`)."""
+        self.server.post("/update_weights", {"update_info": update_info}, timeout=update_timeout_s(nbytes))
 
-    def finish(self, version: int, expect: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the update, drop the KV cache of the old weights, resume; what the workers loaded.
+    def finish(self, version: int, nbytes: float = 0, expect: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the update of `nbytes` in all (vLLM finalises the reloaded layers: its timeout
+        grows with them), drop the KV cache of the old weights, resume; what the workers loaded.
         With `expect` (fields of the workers' `LOADED` record), every worker of every engine checks
         that it loaded exactly that, and the call fails if one did not."""
         try:
-            self.server.post("/finish_weight_update", {"weight_version": str(version)})
+            self.server.post("/finish_weight_update", {"weight_version": str(version)},
+                             timeout=update_timeout_s(nbytes))
             loaded = one_result(self.server.rpc("mrl_loaded") if expect is None
                                 else self.server.rpc("mrl_check_loaded", json.dumps(expect)))
             self.server.post("/reset_prefix_cache")
@@ -97,13 +115,16 @@ class EngineLink:
             self.server.post("/resume")
         return loaded
 
-    def round(self, version: int, updates: Sequence[dict[str, Any]],
+    def round(self, version: int, updates: Sequence[dict[str, Any]], nbytes: Sequence[float] = (),
               expect: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One whole round; `nbytes`: each update's bytes (for the timeouts; none: the least);
+        `expect`: what every worker must have loaded (`finish`)."""
+        sizes = list(nbytes) or [0.0] * len(updates)
         self.start()
         try:
-            for update in updates:
-                self.update(update)
+            for update, size in zip(updates, sizes, strict=True):
+                self.update(update, size)
         except BaseException:
             self.server.post("/resume")
             raise
-        return self.finish(version, expect)
+        return self.finish(version, sum(sizes), expect)

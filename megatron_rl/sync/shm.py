@@ -159,12 +159,14 @@ class SegmentWriter:
         assert self.dir is not None, "begin() first"
         for name, t in tensors.items():
             segment, offset = self.layout.place(t.nbytes)
-            mapped = self._segment(segment, max(t.nbytes, self.segment_bytes))
+            mapped = self._segment(segment, max(t.nbytes, self.segment_bytes), first=offset == 0)
             mapped.reserve(offset, t.nbytes)
             mapped.bytes[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
             self.tensors.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), segment, offset])
 
-    def _segment(self, index: int, size: int) -> _MappedFile:
+    def _segment(self, index: int, size: int, first: bool = False) -> _MappedFile:
+        """Segment `index` with room for `size` bytes. A segment whose first tensor of this update
+        needs less than its file holds gets a fresh, smaller file (a large tensor moved on)."""
         assert self.dir is not None and index <= len(self.files), "segments are filled in order"
         path = self.dir / f"segment-{index:05d}.bin"
         if index == len(self.files):
@@ -172,7 +174,25 @@ class SegmentWriter:
         elif self.files[index].size < size:
             self.files[index].close()
             self.files[index] = _MappedFile(path, size)
+        elif first and self.files[index].size > size:
+            self._drop(index)
+            self.files.insert(index, _MappedFile(path, size))
         return self.files[index]
+
+    def _drop(self, index: int) -> None:
+        """Unmap and delete segment `index` (a server that maps it lets go at its next load, which
+        names only this update's files: `rollout/engines/shm.py::_map`)."""
+        f = self.files.pop(index)
+        f.close()
+        f.path.unlink(missing_ok=True)
+
+    def _trim(self) -> None:
+        """In place: delete the segments this update did not need. QLoRA's first sync sends the
+        whole base (~470 GB for Qwen3-235B), every later one only the adapted tensors (~13 GB); in
+        /dev/shm the rest would stay in RAM for the run. Cheap: an unlink per file, the kernel
+        freeing the pages (and the servers' mappings of them go at their next load)."""
+        while len(self.files) > len(self.layout.sizes):
+            self._drop(len(self.files) - 1)
 
     def _manifest(self) -> str:
         segments = [[str(f.path), f.size] for f in self.files[:len(self.layout.sizes)]]
@@ -189,6 +209,8 @@ class SegmentWriter:
                 raise RuntimeError(f"weight update incomplete: {len(sent)} tensors written, {len(names)} expected")
             if not self.in_place:
                 self._flush()
+            else:
+                self._trim()
             manifest = self._manifest()
         except BaseException:
             self.abort()
@@ -238,8 +260,9 @@ class ShmLink(EngineLink):
 
     def load(self, version: int, manifest: str) -> dict[str, Any]:
         spec = json.loads(manifest)
+        nbytes = sum(size for _, size in spec["segments"])       # what the workers read, at most
         return self.round(version, [{"version": version, "segments": spec["segments"], "tensors": spec["tensors"]}],
-                          expect={"version": version, "tensors": len(spec["tensors"])})
+                          [nbytes], expect={"version": version, "tensors": len(spec["tensors"])})
 
     def resend_latest(self) -> dict[str, Any] | None:
         """The latest complete update again (a restarted server); None if there was none."""

@@ -182,3 +182,39 @@ def test_synced_weights_survive_a_restart_and_an_aborted_update_is_not_resent(se
         transport.close()
     assert segments is not None and not segments.exists()
     assert _server_diff(server, expect_original, sequences) <= 1e-4
+
+
+def test_a_small_update_after_a_full_one_shrinks_the_in_place_segments(server: RolloutServer,
+                                                                       tmp_path: Path) -> None:
+    """QLoRA's pattern (audit-5 #3): a full update, then one of the attention tensors only (LoRA's
+    merged q/k/v/o), then a full one. The small one leaves only the segments it needs in /dev/shm
+    (the rest deleted, a segment whose large tensor moved on re-created smaller), the server loads
+    each from what is left, and the full one grows them back."""
+    from megatron_rl.weights.hf_io import HFCheckpointReader
+
+    reader = HFCheckpointReader(demo_assets()["model"])
+    original = {n: reader.get(n) for n in reader.names()}
+    g = torch.Generator().manual_seed(12)
+    attention = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in original.items() if ".self_attn." in n}
+    assert 0 < len(attention) < len(original)
+    sequences = prompts(3)
+    expect_original = _hf_logprobs(original, sequences, tmp_path / "original")
+    expect_mixed = _hf_logprobs({**original, **attention}, sequences, tmp_path / "mixed")
+    transport = SharedSegmentTransport([server], segment_bytes=1 << 16)
+    try:
+        _send(transport, 1, original)
+        assert transport.dir is not None
+        full = sorted(transport.dir.iterdir())
+        full_bytes = sum(f.stat().st_size for f in full)
+        _send(transport, 2, attention)
+        small = sorted(transport.dir.iterdir())
+        assert small == sorted(f.path for f in transport.files) and len(small) < len(full)
+        assert sum(f.stat().st_size for f in small) < full_bytes / 2
+        assert _server_diff(server, expect_mixed, sequences) <= 1e-4
+        assert _server_diff(server, expect_original, sequences) > 1e-2       # the attention update acted
+        _send(transport, 3, original)
+        assert sorted(transport.dir.iterdir()) == full
+        assert _server_diff(server, expect_original, sequences) <= 1e-4
+    finally:
+        transport.close()
+

@@ -266,6 +266,33 @@ def test_qlora_and_expert_adapters_on_a_gpu_job() -> None:
     assert "lora-targets" not in findings("grpo.yaml", "lora.rank=8", "lora.targets=[q,experts]")   # CPU job
 
 
+def test_unreadable_hf_config_skips_the_expert_check_and_says_why(tmp_path: Path) -> None:
+    """N8: without the model's config, 'experts' on a GPU job is not refused as if the model had
+    experts: the check is skipped with a warning naming the file and why (a dense model would be
+    refused by the target check instead, a MoE one by the grouped-GEMM check)."""
+    gpu_job = ("slurm.gpus_per_node=null", "lora.rank=8", "lora.targets=[q,experts]", "model.tiny={}")
+    missing = tmp_path / "absent"
+    for check_paths in (False, True):            # cluster paths (not checked), or checked
+        got = findings("grpo.yaml", *gpu_job, f"model.hf_config={missing}", check_paths=check_paths)
+        (msg,) = got["lora-targets"]
+        assert msg == (f"warning|model.hf_config|'experts' on a GPU job not checked: the model's HF config "
+                       f"cannot be read (model config not found: {missing})"), check_paths
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    got = findings("grpo.yaml", *gpu_job, f"model.hf_config={bad}")
+    assert got["model-config"] and got["lora-targets"] == [
+        f"warning|model.hf_config|'experts' on a GPU job not checked: the model's HF config cannot be read "
+        f"({bad}/config.json:1: invalid JSON: Expecting property name enclosed in double quotes)"]
+    # A readable config: MoE refused on a GPU job (test above), dense refused as having no experts.
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    moe = json.loads((REPO / "recipes/models/qwen3_30b_a3b/config.json").read_text())
+    (dense / "config.json").write_text(json.dumps({**moe, "num_experts": 0}))
+    (msg,) = findings("grpo.yaml", *gpu_job, f"model.hf_config={dense}")["lora-targets"]
+    assert msg.startswith("error|lora.targets|target 'experts': the model") and "has no experts" in msg
+
+
 def test_lora_with_sleep_level_2_is_refused() -> None:
     (msg,) = findings("grpo.yaml", "lora.rank=8", "rollout.sleep_level=2")["lora-sleep"]
     assert msg.startswith("error|rollout.sleep_level|2 drops the servers' weights")

@@ -153,6 +153,15 @@ def test_gather_term_by_hand() -> None:
     nccl = load_recipe(RECIPES / "qwen3_235b_a22b/grpo.yaml", ["rollout.weight_transfer=nccl"])
     terms = {t.key: t.gb for t in estimate(nccl, params, Hardware(8, 80.0)).stage.terms}
     assert terms["sync_gather"] == pytest.approx((2 * 151936 * 4096 * 2 + 2 * 2**30) / GB)
+    assert "sync_bucket" not in {t.key for t in estimate(cfg, params, Hardware(8, 80.0)).stage.terms}   # shm
+    # The GPU transports hold a bucket of gathered parts: rollout.sync_bucket_mb (512 MiB), and for
+    # ipc (copied to every server GPU) at most IPC_BUCKET_CAP_BYTES (128 MiB).
+    assert terms["sync_bucket"] == pytest.approx(512 * 2**20 / GB)
+    for mb, held in ((512, 128), (64, 64)):
+        ipc = load_recipe(RECIPES / "qwen3_235b_a22b/grpo.yaml", ["rollout.weight_transfer=ipc",
+                                                                  f"rollout.sync_bucket_mb={mb}"])
+        terms = {t.key: t.gb for t in estimate(ipc, params, Hardware(8, 80.0)).stage.terms}
+        assert terms["sync_bucket"] == pytest.approx(held * 2**20 / GB), mb
 
 
 def test_host_terms_by_hand_and_verdict(capsys: pytest.CaptureFixture[str]) -> None:

@@ -85,6 +85,83 @@ def test_qlora_recipe_layout_terms_by_hand() -> None:
     assert dropout / GB == pytest.approx(6.6, abs=0.05)
 
 
+def test_qlora_first_sync_sends_the_whole_base() -> None:
+    """audit-5 #3: the first QLoRA sync sends every tensor, dequantized (`sync/lora.py::sync_actor`),
+    later ones the merged attention tensors only: the host term holds the first, the time note says it."""
+    from megatron_rl.planner.gpus import GPUS
+    from megatron_rl.planner.host import first_sync_bytes, sync_bytes
+    from megatron_rl.planner.memory import rollout_memory
+    from megatron_rl.planner.timing import sync_seconds
+
+    params = count_params(Q235)
+    for overrides, lone in (([], False), (["rollout.placement=colocated", "rollout.nodes=0"], True)):
+        cfg = load_recipe(RECIPE, overrides)
+        later = LAYERS * (ATTENTION + 2 * 128) * 2               # q/k/v/o and the q/k norms, bf16
+        assert sync_bytes(params, cfg) == later and later / GB == pytest.approx(13.4, abs=0.05)
+        assert first_sync_bytes(params, cfg) == params.total * 2 and params.total * 2 / GB == pytest.approx(470.2, 1e-3)
+        est = estimate(cfg, params, HW)
+        (segments,) = [t for t in est.nodes[0].host_terms if t.key == "sync_segments"]
+        assert segments.gb == pytest.approx(params.total * 2 / GB) and segments.reclaimable is not lone
+        assert "then 13.4 GB" in segments.note
+        phase = sync_seconds(params, cfg, rollout_memory(params, cfg, HW), GPUS["H100"], HW)
+        assert "13.4 GB" in phase.note and "the first sync sends the whole base: 470.2 GB" in phase.note
+    # LoRA on a bf16 base: the server starts from the same base, every sync is the touched tensors.
+    lora = load_recipe(RECIPE, ["lora.base_quantization=none"])
+    assert first_sync_bytes(params, lora) == sync_bytes(params, lora)
+    assert "first sync" not in sync_seconds(params, lora, rollout_memory(params, lora, HW), GPUS["H100"], HW).note
+
+
+def test_qlora_start_up_and_sync_peaks_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
+    """audit-5 #8: QLoRA's GPU outside the step. Start-up: the stage is built in bf16 and quantized
+    after, so the whole bf16 base (+ adapters) is there once, with the overhead, before any server
+    starts. Each sync: `merged_deltas` holds q/k/v/o densely twice (dequantized + the saved copy)
+    next to what stays resident (not the step's activations, logits, log-probs)."""
+    cfg = load_recipe(RECIPE)
+    est = estimate(cfg, count_params(Q235), HW)
+    peaks = {t.key: t.gb * GB for t in est.peaks}
+    bf16 = LAYERS * REPLICATED + 2 * VOCAB * H / 4 + H
+    quantized = LAYERS * (ATTENTION / 4 + EXPERTS / 8)
+    adapters = 15_593_472
+    assert peaks["startup"] == pytest.approx(2 * (bf16 + quantized + adapters) + 4e9, rel=REL)
+    assert (peaks["startup"] - 4e9) / GB == pytest.approx(60.9, abs=0.05)
+    terms = {t.key: t.gb * GB for t in est.stage.terms}
+    resident = sum(terms[k] for k in ("weights", "gradients", "optimizer", "reference", "vllm", "overhead",
+                                      "sync_gather"))
+    copies = 2 * 2 * LAYERS * ATTENTION / 4                    # two bf16 copies of this GPU's q/k/v/o
+    assert peaks["sync_copies"] == pytest.approx(resident + copies, rel=REL)
+    assert copies / GB == pytest.approx(6.7, abs=0.05)
+    assert est.fits and est.comfortable                        # 64.9 GB at start-up: under 90 % of 80
+    # LoRA on a bf16 base: no start-up peak (the base stays as built); one saved copy at a sync.
+    lora = estimate(load_recipe(RECIPE, ["lora.base_quantization=none"]), count_params(Q235), HW)
+    assert [t.key for t in lora.peaks] == ["sync_copies"]
+    lora_terms = {t.key: t.gb * GB for t in lora.stage.terms}
+    assert lora.peaks[0].gb * GB == pytest.approx(
+        sum(lora_terms[k] for k in ("weights", "gradients", "optimizer", "reference", "vllm", "overhead",
+                                    "sync_gather")) + copies / 2, rel=REL)
+    assert estimate(load_recipe(RECIPE, ["lora.rank=0", "lora.base_quantization=none"]),
+                    count_params(Q235), HW).peaks == ()
+    # TP 2 × EP 4 fits the step (NF4) but not its own start-up: a quarter of the experts in bf16.
+    small = load_recipe(RECIPE, ["parallelism.tensor_model_parallel_size=2", "parallelism.expert_model_parallel_size=4",
+                                 "parallelism.recompute_granularity=full"])
+    tight = estimate(small, count_params(Q235), HW)
+    assert tight.margin_gb > 0 and not tight.fits
+    assert tight.peaks_over(80.0)[0].key == "startup" and tight.peaks_over(80.0)[0].gb > 100
+    found = search(cfg, Q235, count_params(Q235), HW, limit=50)
+    assert found and all(s.estimate.peaks_over(72.0) == [] for s in found)
+    assert not any((s.parallelism.tensor_model_parallel_size, s.parallelism.expert_model_parallel_size,
+                    s.parallelism.expert_tp, s.parallelism.pipeline_model_parallel_size) == (2, 4, 1, 1)
+                   for s in found)                          # ETP 2 halves the experts again: that one fits
+    # `plan` shows both lines, and the refusal says why; JSON has them.
+    assert main(["plan", str(RECIPE)]) == 0
+    out = capsys.readouterr().out
+    assert "outside the step" in out and "start-up, before quantization" in out and "sync: dense adapted weights" in out
+    assert main(["plan", str(RECIPE), "parallelism.tensor_model_parallel_size=2",
+                 "parallelism.expert_model_parallel_size=4", "parallelism.recompute_granularity=full"]) == 2
+    assert "DOES NOT FIT (start-up, before quantization:" in capsys.readouterr().out
+    assert main(["plan", str(RECIPE), "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["peaks_gb"]) == {"startup", "sync_copies"}
+
+
 @pytest.fixture(scope="module")
 def answers() -> dict:
     return {a.mode: a for a in compare(load_recipe(RECIPE), Q235, HW)}

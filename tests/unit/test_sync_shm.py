@@ -29,9 +29,11 @@ class EngineRecorder:
         self.loaded: dict[str, torch.Tensor] = {}
         self.version = 0
         self.lie = False
+        self.timeouts: dict[str, float] = {}
 
     def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
         self.calls.append(path)
+        self.timeouts[path] = timeout
         if path == "/update_weights":
             info = body["update_info"]
             self.manifests.append(info)
@@ -138,6 +140,64 @@ def test_aborted_in_place_update_blocks_resending_but_a_shared_dir_keeps_the_lat
             assert t.links[0].resend_latest()["version"] == 3
         finally:
             t.close()
+
+
+def _allocated(directory: Path) -> int:
+    """Bytes the directory's files hold in RAM / on disk (sparse files: only what was written)."""
+    return sum(f.stat().st_blocks * 512 for f in directory.iterdir())
+
+
+def test_in_place_segments_shrink_after_a_large_update_and_grow_back() -> None:
+    """QLoRA: the first sync sends the whole base, later ones only the adapted tensors. In place
+    (/dev/shm) the segments the small update does not need are deleted, and a segment whose large
+    tensor moved on gets a smaller file; what the server loads is what was sent every time."""
+    kib = 1 << 10
+    g = torch.Generator().manual_seed(0)
+    full = {"embed": torch.randn(4 * kib, generator=g),                          # 16 KiB: its own segment
+            **{f"layer{i}": torch.randn(kib, generator=g) for i in range(12)}}   # 4 KiB each
+    small = {"embed": torch.randn(64, generator=g), "layer0": torch.randn(kib, generator=g)}
+    server = EngineRecorder()
+    t = SharedSegmentTransport([server], None, segment_bytes=8 * kib)
+    try:
+        for version, sent in enumerate((full, small, full, small), start=1):
+            _update(t, version, sent)
+            assert set(server.loaded) == set(sent) and all(torch.equal(server.loaded[n], x) for n, x in sent.items())
+            directory = t.latest[2]
+            files = sorted(directory.iterdir())
+            assert [Path(p) for p, _ in server.manifests[-1]["segments"]] == files    # nothing else is left
+            if sent is full:     # embed alone (16 KiB), then 12 × 4 KiB in pairs: 7 segments, ~64 KiB
+                assert [f.stat().st_size for f in files] == [16 * kib] + [8 * kib] * 6
+            else:                # one 8 KiB segment: embed (256 B) and layer0 (4 KiB)
+                assert [f.stat().st_size for f in files] == [8 * kib]
+                assert _allocated(directory) <= 8 * kib
+        assert t.links[0].resend_latest()["version"] == 4
+        assert all(torch.equal(server.loaded[n], x) for n, x in small.items())
+    finally:
+        t.close()
+
+
+def test_update_timeouts_grow_with_the_bytes() -> None:
+    """audit-5 #4: QLoRA's first sync of Qwen3-235B is one /update_weights of 470 GB; its timeout
+    is the control requests' 600 s plus the bytes at 1 GB/s, /finish_weight_update's too. Pure
+    function, then through the real round of the shm link (the manifest's segment bytes)."""
+    from megatron_rl.rollout.server import CONTROL_TIMEOUT_S
+    from megatron_rl.sync.routes import UPDATE_FLOOR_BYTES_PER_S, update_timeout_s
+
+    assert (CONTROL_TIMEOUT_S, UPDATE_FLOOR_BYTES_PER_S) == (600.0, 1e9)
+    assert update_timeout_s(0) == update_timeout_s(-1) == 600.0
+    assert update_timeout_s(470.2e9) == pytest.approx(1070.2)
+    assert update_timeout_s(512 << 20) == pytest.approx(600.0 + 0.536870912)
+    server = EngineRecorder()
+    t = SharedSegmentTransport([server], None, segment_bytes=1 << 20)
+    try:
+        _update(t, 1, {"a": torch.zeros(3 << 20, dtype=torch.uint8), "b": torch.zeros(10, dtype=torch.uint8)})
+        segments = sum(size for _, size in server.manifests[-1]["segments"])
+        assert segments == (3 << 20) + (1 << 20)           # a: its own 3 MiB segment, b: one of 1 MiB
+        assert server.timeouts["/update_weights"] == server.timeouts["/finish_weight_update"] \
+            == pytest.approx(600.0 + segments / 1e9)
+        assert server.timeouts["/pause"] == 600.0
+    finally:
+        t.close()
 
 
 def test_no_room_for_the_segments_is_an_error_naming_the_directory(tmp_path: Path) -> None:

@@ -112,6 +112,27 @@ def test_nccl_parts_are_coalesced_into_buckets() -> None:
     assert len(_buckets(parts, 512 * mib)) == -(-5000 * 32 // 512) == 313
 
 
+def test_ipc_buckets_are_capped_nccl_buckets_are_the_recipes() -> None:
+    """ipc copies each bucket to every server GPU (kept by rank 0's allocator): at most 128 MiB,
+    whatever rollout.sync_bucket_mb says; nccl and the shm segments take it as given. The real
+    `make_transport` (constructing a GPU transport touches no CUDA)."""
+    import torch
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.sync import make_transport
+    from megatron_rl.topology import IPC_BUCKET_CAP_BYTES, transport_bucket_bytes
+
+    mib, default = 1 << 20, RolloutConfig().sync_bucket_mb << 20
+    assert IPC_BUCKET_CAP_BYTES == 128 * mib < default
+    assert transport_bucket_bytes("ipc", default) == 128 * mib
+    assert transport_bucket_bytes("ipc", 64 * mib) == 64 * mib
+    assert transport_bucket_bytes("nccl", default) == transport_bucket_bytes("shm", default) == default
+    cuda0 = torch.device("cuda", 0)
+    for backend, held in (("ipc", 128 * mib), ("nccl", default)):
+        transport, _ = make_transport(backend, [], None, default, cuda0)
+        assert transport.bucket_bytes == held, backend     # type: ignore[attr-defined]
+
+
 def test_gpu_transport_holds_parts_until_a_bucket_is_full() -> None:
     """The buffering of `_GpuTransport` (the send itself needs CUDA: recorded here)."""
     import torch
@@ -122,3 +143,7 @@ def test_gpu_transport_holds_parts_until_a_bucket_is_full() -> None:
     assert t.buckets == [["w0", "w1", "w2"]] and list(t.pending) == ["w3", "w4"]
     t.flush()                                                                  # what finish() does first
     assert t.buckets == [["w0", "w1", "w2"], ["w3", "w4"]] and t.pending == {}
+    assert t.sent_bytes == 5 * 400          # the timeout of the update's /finish_weight_update
+    t.connected_at = []                     # no servers to connect to
+    t.begin(2)
+    assert t.sent_bytes == 0 and t.sent == []
