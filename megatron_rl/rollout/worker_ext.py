@@ -4,8 +4,9 @@ Weights reach the workers through vLLM's weight-transfer routes and the engines 
 `rollout/engines/`, which importing this module (vLLM does, in every worker, before the model
 loads) registers with vLLM's factory. The methods here, called through the server's
 `/collective_rpc` with string arguments only, report and check what the engines loaded
-(`engines.loaded.LOADED`), commit the version of a GPU-engine update, and re-seed and record routes
-for the trainer.
+(`engines.loaded.LOADED`), commit the version of a GPU-engine update, checksum what the next update
+delivers (the diagnosis of a failed verification, `sync/diagnose.py`), and re-seed and record
+routes for the trainer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from . import engines
+from .engines import digest
 from .engines.loaded import LOADED, check_loaded
 
 engines.register()
@@ -52,6 +54,16 @@ class WorkerExtension:
             raise RuntimeError(f"mrl_commit_version({version}): no finished update to commit")
         LOADED["version"] = int(version)
         return dict(LOADED)
+
+    def mrl_digest_arm(self) -> int:
+        """Checksum every tensor the next update hands `load_weights` (`engines/digest.py`)."""
+        digest.arm()
+        return 1
+
+    def mrl_digests(self) -> dict[str, Any]:
+        """{HF name: [dtype, shape, checksum, sum of squares]} of what was loaded since
+        `mrl_digest_arm` (disarms). Under DP > 1 /collective_rpc answers for engine 0's workers only."""
+        return {name: list(d) for name, d in digest.take().items()}
 
     def mrl_device_uuid(self) -> str:
         """The physical GPU of this worker (the `ipc` backend keys its handles by it)."""

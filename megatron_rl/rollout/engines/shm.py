@@ -32,6 +32,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from . import MOE_LOAD, MOE_LOADS
+from .digest import loads_recorded
 from .loaded import LOADED, repack_cpu_moe, views
 
 
@@ -82,7 +83,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         segments = self._map(update_info.segments)
-        with disable_mtp_completeness_check():
+        with disable_mtp_completeness_check(), loads_recorded(self.model):
             cast(Any, self.model).load_weights(views(update_info.tensors, segments))
         self.round["version"] = int(update_info.version)
         self.round["tensors"] += len(update_info.tensors)
