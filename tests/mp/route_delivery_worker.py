@@ -28,6 +28,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 
 from megatron_rl.config.schema import ParallelismConfig  # noqa: E402
 from megatron_rl.megatron.actor import init_parallel  # noqa: E402
+from megatron_rl.megatron.devices import init_distributed  # noqa: E402
 from megatron_rl.megatron.route_delivery import deliver  # noqa: E402
 from megatron_rl.route_rows import RouteRows, hold_on_rank0  # noqa: E402
 from megatron_rl.types import RolloutGroup, Sample  # noqa: E402
@@ -69,6 +70,7 @@ def check(rows: RouteRows, arrays: list[np.ndarray], need: list[int], before: se
 
 def main() -> None:
     out = sys.argv[1]
+    init_distributed()
     arrays = reference()
     rows = held_rows(arrays)
     everything = rows.samples()

@@ -38,6 +38,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 
 from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
+from megatron_rl.megatron.devices import init_distributed  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.route_rows import RouteRows, hold_on_rank0  # noqa: E402
@@ -210,6 +211,7 @@ def run_layout(hf_dir: str, name: str, batch: TrainBatch, recorded: torch.Tensor
 
 def main() -> None:
     hf_dir, out = sys.argv[1], sys.argv[2]
+    init_distributed()                      # the batch's routes are held by rank 0 (`held_on_rank0`)
     hf = read_hf_config(hf_dir)
     num_layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
     if len(sys.argv) > 3:
