@@ -98,3 +98,19 @@ def ipc_devices(visible: Sequence[T], server_world_size: int, reported: Sequence
                          f"put it on {engines[0]}: the server and trainer rank 0 see different GPUs "
                          "(CUDA_VISIBLE_DEVICES)")
     return [d for engine in engines for d in engine]
+
+
+def data_parallel_replicas(world_size: int, tp: int, pp: int, cp: int = 1) -> list[list[int]]:
+    """Per data-parallel rank d, the global ranks of its replica (every TP, CP and PP rank whose
+    data-parallel rank is d), ascending. megatron-core 0.19 numbers its dense grid in the order
+    tp-cp-ep-dp-pp, EP belonging to the expert grid only (`parallel_state.initialize_model_parallel`'s
+    default `order`, RankGenerator with ep 1): rank = t + TP·(c + CP·(d + DP·p)).
+
+    These are the ranks that need a row's R3 routes when DP rank d computes it: the router of every
+    TP / CP / PP rank of the replica routes the replica's tokens (`megatron/route_delivery.py`)."""
+    model = tp * pp * cp
+    if min(tp, pp, cp) < 1 or world_size < 1 or world_size % model:
+        raise ValueError(f"world size {world_size} does not split into TP {tp} × CP {cp} × PP {pp}")
+    dp = world_size // model
+    return [sorted(t + tp * (c + cp * (d + dp * p)) for t in range(tp) for c in range(cp) for p in range(pp))
+            for d in range(dp)]

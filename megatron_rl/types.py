@@ -10,6 +10,8 @@ import torch
 if TYPE_CHECKING:
     import numpy as np
 
+    from .route_rows import HeldRoutes, RouteRows
+
 
 @dataclass
 class Sample:
@@ -23,9 +25,10 @@ class Sample:
     finish_reason: str = ""
     weight_version: int = 0
     """Version of the policy weights the server generated with."""
-    routed_experts: np.ndarray | None = None
+    routed_experts: np.ndarray | HeldRoutes | None = None
     """[prompt_len + gen_len − 1, num_hidden_layers, topk] expert ids when routes are recorded
-    (`rollout.routing_replay`; `rollout/routes.py`)."""
+    (`rollout.routing_replay`; `rollout/routes.py`); in the trainer's groups their `HeldRoutes`
+    (the array stays on rank 0: `route_rows.py`)."""
 
 
 @dataclass
@@ -54,11 +57,10 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor | None = None
     sft_tokens: torch.Tensor | None = None
     sft_mask: torch.Tensor | None = None
-    routes: torch.Tensor | None = None
-    """MoE routing of the rollout, aligned to `tokens`: [N, L, num_hidden_layers, topk] expert ids
-    (uint8 up to 256 experts, int16 above); see `megatron/routing_replay.py`."""
-    routes_valid: torch.Tensor | None = None
-    """[N, L] bool: the token has a recorded route (False: pads, the last token, unrecorded rows)."""
+    routes: RouteRows | None = None
+    """MoE routing of the rollout, aligned to `tokens`: per row its sample's compact expert ids,
+    expanded to [rows, L, num_hidden_layers, topk] one micro-batch at a time (`route_rows.py`,
+    `megatron/routing_replay.py`)."""
 
     @property
     def num_rows(self) -> int:
@@ -66,13 +68,15 @@ class TrainBatch:
 
     def to(self, device: torch.device) -> TrainBatch:
         """The same rows with every tensor on `device` (no copy for tensors already there)."""
-        fields: dict[str, Any] = {k: None if v is None else v.to(device) for k, v in self.__dict__.items()}
-        return TrainBatch(**fields)
+        fields: dict[str, Any] = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                  for k, v in self.__dict__.items()}
+        return TrainBatch(**fields)     # routes stay on the host until their micro-batch is fed
 
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop) of the RL part; the SFT part is split proportionally by the caller."""
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[start:stop]
+        routes = None if self.routes is None else self.routes.select(range(len(self.routes))[start:stop])
         return TrainBatch(self.tokens[start:stop], self.mask[start:stop], self.advantages[start:stop],
                           cut(self.old_logprobs), cut(self.ref_logprobs), cut(self.rollout_logprobs),
-                          self.sft_tokens, self.sft_mask, cut(self.routes), cut(self.routes_valid))
+                          self.sft_tokens, self.sft_mask, routes)

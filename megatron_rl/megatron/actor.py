@@ -10,7 +10,7 @@ makes DDP sum gradients, and `finalize_model_grads` is called without a token co
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -33,7 +33,8 @@ from . import cpu_compat
 from .devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, compute_device, init_distributed
 from .gpt import ModelRecipe, build_gpt_model
 from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
-from .routing_replay import RoutingReplay, fit_routes
+from .route_delivery import deliver
+from .routing_replay import RoutingReplay
 
 cpu_compat.require_applied()   # megatron-core below needs the CPU patches on a machine without CUDA
 
@@ -185,22 +186,37 @@ class Actor:
     # ------------------------------------------------------------------ data split
     def _local_microbatches(self, batch: TrainBatch) -> list[TrainBatch]:
         """This DP rank's rows, cut into micro-batches of `micro_batch_size` rows (or, with a token
-        budget, into length-grouped micro-batches cut to their longest row)."""
-        if self.max_tokens_per_microbatch is not None:
-            return [take(batch, plan) for plan in self._budget_plans(batch)]
+        budget, into length-grouped micro-batches cut to their longest row). Collective when the
+        batch carries routes (`_deliver_routes`)."""
+        return self._split(batch)[0]
+
+    def _split(self, batch: TrainBatch) -> tuple[list[TrainBatch], list[MicroBatchPlan] | None]:
+        """`_local_microbatches`, with this rank's budget plans (None: the padded split). Every
+        replica first receives the routes of the rows it computes here."""
         dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        if self.max_tokens_per_microbatch is not None:
+            plans = self._budget_plans(batch)
+            self._deliver_routes(batch, [[i for plan in mine for i in plan.rows] for mine in plans])
+            return [take(batch, plan) for plan in plans[rank]], plans[rank]
         n = batch.num_rows
         if n % (dp * self.micro_batch_size):
             raise ValueError(f"{n} rows do not split into DP {dp} × micro-batches of {self.micro_batch_size}")
         per_rank = n // dp
+        self._deliver_routes(batch, [range(d * per_rank, (d + 1) * per_rank) for d in range(dp)])
         local = batch.rows(rank * per_rank, (rank + 1) * per_rank)
         mbs = [local.rows(i, i + self.micro_batch_size) for i in range(0, per_rank, self.micro_batch_size)]
         if batch.sft_tokens is not None:
             self._attach_sft(batch, mbs, rank, dp)
-        return mbs
+        return mbs, None
 
-    def _budget_plans(self, batch: TrainBatch) -> list[MicroBatchPlan]:
-        """This DP rank's share of the step's budget micro-batches (the same plan on every rank)."""
+    def _deliver_routes(self, batch: TrainBatch, rows_per_dp: Sequence[Sequence[int]]) -> None:
+        """The routes of the rows each DP replica computes in this forward, to that replica's ranks
+        (`route_delivery.py`); a dense model's batches carry none (the same on every rank)."""
+        if self.routing is not None and batch.routes is not None:
+            deliver(batch.routes, rows_per_dp)
+
+    def _budget_plans(self, batch: TrainBatch) -> list[list[MicroBatchPlan]]:
+        """Every DP rank's share of the step's budget micro-batches (the same plan on every rank)."""
         if self.config.moe_token_dispatcher_type == "allgather" and ps.get_expert_model_parallel_world_size() > 1:
             raise ValueError("token-budget micro-batches give expert-parallel ranks different token counts, "
                              "which the 'allgather' MoE dispatcher cannot exchange; use 'alltoall'")
@@ -210,9 +226,8 @@ class Actor:
             (2 * cp if cp > 1 else 1)
         sft = None if batch.sft_mask is None else needed_lengths(batch.sft_mask)
         assert self.max_tokens_per_microbatch is not None, "budget plans need trainer.max_tokens_per_microbatch"
-        plans = plan_microbatches(needed_lengths(batch.mask), ps.get_data_parallel_world_size(),
-                                  self.max_tokens_per_microbatch, multiple, sft)
-        return plans[ps.get_data_parallel_rank()]
+        return plan_microbatches(needed_lengths(batch.mask), ps.get_data_parallel_world_size(),
+                                 self.max_tokens_per_microbatch, multiple, sft)
 
     @staticmethod
     def _attach_sft(batch: TrainBatch, mbs: list[TrainBatch], rank: int, dp: int) -> None:
@@ -253,14 +268,15 @@ class Actor:
         return out.logprobs[:, :-1], None if out.entropy is None else out.entropy[:, :-1]
 
     def _feed_routes(self, mb: TrainBatch, tokens: torch.Tensor, replay: bool, recompute: bool) -> None:
-        """This micro-batch's routes to the routers, shaped like `tokens` (CHORD's expert rows and
-        pad columns have none: the trainer routes them itself). Every PP stage feeds its own layers."""
+        """This micro-batch's routes to the routers, expanded here from the compact per-sample form
+        to the shape of `tokens` (CHORD's expert rows and pad columns have none: the trainer routes
+        them itself). Every PP stage feeds its own layers."""
         if self.routing is None:
             return
-        if mb.routes is None or mb.routes_valid is None:
+        if mb.routes is None:
             self.routing.feed(None, None, False)
             return
-        routes, valid = fit_routes(mb.routes, mb.routes_valid, tokens.shape[0], tokens.shape[1])
+        routes, valid = mb.routes.dense(tokens.shape[0], tokens.shape[1])
         self.routing.feed(routes, valid, replay, recompute)
 
     def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool, replay: bool = False) -> list[Any]:
@@ -310,11 +326,9 @@ class Actor:
         tokens = torch.cat([batch.tokens, batch.tokens[:1].expand(extra, -1)]) if extra else batch.tokens
         # The mask tells the budget path how far each row must be computed (filler rows: 2 tokens).
         mask = torch.cat([batch.mask, batch.mask.new_zeros(extra, batch.mask.shape[1])]) if extra else batch.mask
-        rows = TrainBatch(tokens, mask, torch.zeros(n + extra))
-        if batch.routes is not None and batch.routes_valid is not None:
-            rows.routes, rows.routes_valid = fit_routes(batch.routes, batch.routes_valid, n + extra, tokens.shape[1])
-        plans = self._budget_plans(rows) if budget else None
-        mbs = [take(rows, p) for p in plans] if plans is not None else self._local_microbatches(rows)
+        rows = TrainBatch(tokens, mask, torch.zeros(n + extra),
+                          routes=None if batch.routes is None else batch.routes.padded(n + extra))
+        mbs, plans = self._split(rows)
 
         def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
             logp, _ = self._logprobs(logits, tokens, temperature, with_entropy=False)

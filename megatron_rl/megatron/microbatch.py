@@ -182,9 +182,8 @@ def take(batch: TrainBatch, plan: MicroBatchPlan) -> TrainBatch:
     mb = TrainBatch(rows(batch.tokens, width), rows(batch.mask, width - 1), batch.advantages.index_select(0, idx),
                     cut(batch.old_logprobs, width - 1), cut(batch.ref_logprobs, width - 1),
                     cut(batch.rollout_logprobs, width - 1))
-    if batch.routes is not None and batch.routes_valid is not None:
-        mb.routes, mb.routes_valid = batch.routes.index_select(0, idx)[:, :width], \
-            batch.routes_valid.index_select(0, idx)[:, :width]
+    if batch.routes is not None:           # compact; cut to `width` when expanded (`_feed_routes`)
+        mb.routes = batch.routes.select(plan.rows)
     if batch.sft_tokens is not None:
         assert batch.sft_mask is not None, "expert rows come with their mask"
         sidx = torch.tensor(plan.sft_rows, dtype=torch.long)

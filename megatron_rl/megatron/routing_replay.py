@@ -1,9 +1,10 @@
 """R3 routing replay: the actor's MoE routers use the experts the rollout engine chose.
 
 The batch carries, per row, the top-k expert ids of every token and every decoder layer
-(`TrainBatch.routes`, [N, L, num_hidden_layers, topk], uint8 up to 256 experts, int16 above) and a
-flag per token saying whether a route was recorded (`TrainBatch.routes_valid`, [N, L]). Rows of
-layers that are dense hold anything; only MoE layers are read.
+(`TrainBatch.routes`, compact per sample: `route_rows.py`). Each micro-batch is expanded to
+[b, s, num_hidden_layers, topk] (uint8 up to 256 experts, int16 above) with a flag per token saying
+whether a route was recorded ([b, s]) just before it is fed (`feed`). Rows of layers that are dense
+hold anything; only MoE layers are read.
 
 megatron-core 0.19's `RouterReplay` replays whole micro-batches and keeps one global list of
 routers per process. Both are the wrong shape here:
@@ -191,14 +192,3 @@ class RoutingReplay:
                     out[f"routing/mismatch_frac/layer_{layer}"] = float(counts[layer, 0] / counts[layer, 1])
         return out
 
-
-def fit_routes(routes: torch.Tensor, valid: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routes and flags grown (never-valid zero rows/columns) or cut to the micro-batch's token
-    shape [rows, width]: filler rows, CHORD's expert rows and pad columns have no route."""
-    if routes.shape[0] == rows and routes.shape[1] == width:
-        return routes, valid
-    r, w = min(rows, routes.shape[0]), min(width, routes.shape[1])
-    out = routes.new_zeros(rows, width, *routes.shape[2:])
-    flags = valid.new_zeros(rows, width)
-    out[:r, :w], flags[:r, :w] = routes[:r, :w], valid[:r, :w]
-    return out, flags

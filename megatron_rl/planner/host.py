@@ -10,13 +10,16 @@ Trainer node, per rank × ranks per node (every rank holds the step's rollout on
 `train/fleet.py` broadcasts the groups to all ranks, `train/batch.py` pads them):
 
 * rollout batch tensors — `TrainBatch` at the padded `seq_len` width: tokens int64 (8 B), mask,
-  rollout / π_old / π_ref log-probs fp32 (4 B each per target position), advantages, routes
-  (`rollout.routing_replay`: layers × top-k ids per token, uint8 up to 256 experts else int16, plus
-  a 1-byte valid flag) — measured against a real `build_batch` in tests/unit/test_planner_host.py;
+  rollout / π_old / π_ref log-probs fp32 (4 B each per target position), advantages — measured
+  against a real `build_batch` in tests/unit/test_planner_host.py;
 * rollout samples — the groups as Python objects: token lists (an 8-byte pointer + a 28-byte int
   object per token; ids < 257 are shared; a prompt's list once per group), the response log-probs
-  (8 + 24 B per float) and, with routes, each sample's numpy routes array (itemsize × layers ×
-  top-k per token); measured with tracemalloc in the same test;
+  (8 + 24 B per float); measured with tracemalloc in the same test;
+* routing-replay routes (`rollout.routing_replay`, `route_host_bytes`; rank 0's node) — layers ×
+  top-k ids per token, uint8 up to 256 experts else 2 bytes: every sample's compact array on global
+  rank 0 (which received them), a data-parallel replica's share of the rows on each other rank
+  (`megatron/route_delivery.py`), plus on every rank one micro-batch expanded to its dense width
+  with a 1-byte valid flag per token (`route_rows.py`); measured in the same test;
 * CPU Adam (`optimizer_cpu_offload`) — the offloaded states and master weights
   (`memory.stage_memory`'s host share) plus an fp32 staging copy of the shard's gradients (4 B per
   parameter; megatron-core HybridDeviceOptimizer);
@@ -129,13 +132,38 @@ def route_bytes_per_token(params: ModelParams) -> int:
     return len(params.layers) * d.top_k * (1 if d.experts <= 256 else 2) if d.experts else 0
 
 
-def batch_tensor_bytes(rows: int, seq_len: int, params: ModelParams, routes: bool, ref: bool) -> float:
-    """`TrainBatch` of `rows` padded rows, after the log-prob phase (per rank)."""
+def batch_tensor_bytes(rows: int, seq_len: int, params: ModelParams, ref: bool) -> float:
+    """`TrainBatch` of `rows` padded rows, after the log-prob phase (per rank), without its routes
+    (`route_host_bytes`)."""
     per_position = 4 * (3 + int(ref))                      # mask, rollout, π_old (, π_ref) log-probs
-    out = rows * (8 * seq_len + per_position * (seq_len - 1) + 4)
-    if routes:
-        out += rows * seq_len * (route_bytes_per_token(params) + 1)
-    return float(out)
+    return float(rows * (8 * seq_len + per_position * (seq_len - 1) + 4))
+
+
+@dataclass(frozen=True)
+class RouteHostBytes:
+    """Host bytes of one step's routing-replay routes on one rank."""
+
+    dense_before: float
+    """Before gpu-readiness-audit-2 #15, on every rank: the step's dense batch (rows × seq_len ×
+    (ids + a valid flag)) and every sample's compact array in the broadcast groups."""
+    rank0: float
+    """Global rank 0: every sample's compact array, and one micro-batch expanded."""
+    other: float
+    """Any other rank: its replica's share of the rows (compact), and one micro-batch expanded."""
+
+
+def route_host_bytes(rows: int, seq_len: int, dp: int, per_token: int, microbatch_tokens: int,
+                     sample_tokens: float | None = None) -> RouteHostBytes:
+    """`rows` samples of `sample_tokens` recorded tokens (default: the full `seq_len`, the upper
+    bound) at `per_token` bytes of ids. A replica's share is ⌈rows / dp⌉ samples: the padded split
+    gives each exactly rows / dp, the token budget balances padded tokens over ranks. The expanded
+    micro-batch holds `microbatch_tokens` tokens × (ids + 1 flag); the routers' int64 copies of it
+    (a few MB) are the GPU term's host twin and not counted."""
+    tokens = float(seq_len if sample_tokens is None else min(sample_tokens, seq_len))
+    compact = rows * tokens * per_token
+    expanded = microbatch_tokens * (per_token + 1)
+    return RouteHostBytes(dense_before=rows * seq_len * (per_token + 1) + compact,
+                          rank0=compact + expanded, other=-(-rows // dp) * tokens * per_token + expanded)
 
 
 def sample_object_bytes(rows: int, group: int, prompt: float, response: float, params: ModelParams,
@@ -163,18 +191,21 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemor
                        prompt: float, response: float, hw: Hardware) -> list[HostTerm]:
     r, ranks, seq, offload = cfg.rollout, hw.gpus_per_node, seq_length(cfg), cfg.parallelism.optimizer_cpu_offload
     rows = cfg.trainer.global_batch_size * cfg.algorithm.steps_per_generation
-    routes = r.routing_replay and params.dims.experts > 0
-    tensors = batch_tensor_bytes(rows, seq, params, routes, cfg.algorithm.uses_reference)
-    objects = sample_object_bytes(rows, r.n, prompt, response, params, routes)
-    route_note = f", routes {rows * seq * (route_bytes_per_token(params) + 1) / GB:.1f} GB" if routes else ""
+    tensors = batch_tensor_bytes(rows, seq, params, cfg.algorithm.uses_reference)
+    # The samples' route arrays are counted with the routes (on rank 0 only).
+    objects = sample_object_bytes(rows, r.n, prompt, response, params, routes=False)
     staging = 4 * stage.host_gb / 12 if offload else 0.0
     out = [HostTerm("process", "trainer processes", ranks * PROCESS_GB, f"{ranks} rank(s) × {PROCESS_GB:g} GB"),
-           HostTerm("batch", "rollout batch tensors", ranks * tensors / GB,
-                    f"{rows} rows × {seq} per rank{route_note}"),
+           HostTerm("batch", "rollout batch tensors", ranks * tensors / GB, f"{rows} rows × {seq} per rank"),
            HostTerm("samples", "rollout samples (Python objects)", ranks * objects / GB,
-                    f"{prompt:.0f} + {response:.0f} tokens per sample per rank"),
-           HostTerm("cpu_adam", "CPU Adam states + grad staging", ranks * (stage.host_gb + staging),
-                    "optimizer_cpu_offload" if offload else "optimizer on the GPU")]
+                    f"{prompt:.0f} + {response:.0f} tokens per sample per rank")]
+    if r.routing_replay and params.dims.experts > 0:
+        dp, per_token = cfg.parallelism.data_parallel_size, route_bytes_per_token(params)
+        b = route_host_bytes(rows, seq, dp, per_token, microbatch_tokens(cfg), prompt + response - 1)
+        out.append(HostTerm("routes", "routing-replay routes (rank 0's node)", (b.rank0 + (ranks - 1) * b.other) / GB,
+                            f"rank 0 all {rows} samples, others 1/{dp} of them (one replica's)"))
+    out.append(HostTerm("cpu_adam", "CPU Adam states + grad staging", ranks * (stage.host_gb + staging),
+                        "optimizer_cpu_offload" if offload else "optimizer on the GPU"))
     shm = r.weight_transfer == "shm"
     sync, later = (first_sync_bytes(params, cfg) / GB, sync_bytes(params, cfg) / GB) if shm else (0.0, 0.0)
     lone = r.placement == "colocated" and cfg.parallelism.nodes == 1

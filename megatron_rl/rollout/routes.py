@@ -20,11 +20,12 @@ incremental decode steps that sampled it (different GEMM shapes and batch neighb
 whose top-k sits at a near-tie can flip. Replay then makes the trainer use the re-scored experts;
 the `routing/mismatch_frac` metric measures how far the trainer's own router is from them.
 
-Memory: num_hidden_layers × topk ids per token, 1 byte each (2 above 256 experts), plus a 1-byte
-validity flag in the batch, which holds every row at the full `seq_len` width. Tiny MoE: 2 × 2 + 1
-= 5 B/token (400 B per 80-token row). Qwen3-235B-A22B: 94 × 8 = 752 B/token, 6.2 MB per
-8192-token sample. Qwen3-Next-80B-A3B (512 experts): 48 × 10 × 2 = 960 B/token, 7.9 MB per
-8192-token sample. Over HTTP vLLM's base64 adds a third.
+Memory: num_hidden_layers × topk ids per token, 1 byte each (2 above 256 experts). Tiny MoE:
+2 × 2 = 4 B/token. Qwen3-235B-A22B: 94 × 8 = 752 B/token, 6.2 MB per 8192-token sample.
+Qwen3-Next-80B-A3B (512 experts): 48 × 10 × 2 = 960 B/token, 7.9 MB per 8192-token sample. Over
+HTTP vLLM's base64 adds a third. The trainer keeps them in this compact form, on global rank 0 and
+on the ranks that compute each sample, and expands one micro-batch at a time to the dense
+[rows, width, layers, topk] with a 1-byte validity flag per token (`route_rows.py`).
 """
 
 from __future__ import annotations
@@ -154,10 +155,13 @@ def attach_routes(servers: Sequence[RolloutServer], groups: Sequence[Any]) -> in
 
 
 def routes_batch(routes: Sequence[np.ndarray | None], seq_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The batch's `routes` [N, seq_len, num_layers, topk] (uint8 as vLLM's, int16 for vLLM's
-    uint16) and `routes_valid` [N, seq_len]: row i's token t has the route `routes[i][t]` where
-    recorded; the last token, pads and samples without routes are not valid (the trainer routes
-    them itself). None when no sample has routes."""
+    """The dense form of a batch's routes, [N, seq_len, num_layers, topk] (uint8 as vLLM's, int16
+    for vLLM's uint16), and their flags [N, seq_len]: row i's token t has the route `routes[i][t]`
+    where recorded; the last token, pads and samples without routes are not valid (the trainer
+    routes them itself). None when no sample has routes.
+
+    The trainer no longer builds this for a whole step (N × seq_len on every rank: audit-2 #15);
+    it is the reference that `route_rows.RouteRows.dense` equals one micro-batch at a time."""
     first = next((r for r in routes if r is not None), None)
     if first is None:
         return None

@@ -31,10 +31,11 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..megatron.devices import from_rank0
+from ..route_rows import hold_on_rank0
 from ..types import RolloutGroup
 from .data import TrainData
 
@@ -160,8 +161,11 @@ class AheadRollouts:
             self.thread.start()
 
     def take(self, step: int, version: int) -> StepRollout:
-        """Step `step`'s groups, every one at most k versions behind `version` (collective)."""
-        return from_rank0(self._take_rank0(step, version) if self.fleet.rank0 else None)
+        """Step `step`'s groups, every one at most k versions behind `version` (collective; the
+        routes stay on rank 0, as in `RolloutFleet.generate`)."""
+        mine = self._take_rank0(step, version) if self.fleet.rank0 else None
+        shared = from_rank0(None if mine is None else replace(mine, groups=hold_on_rank0(mine.groups)))
+        return shared if mine is None else mine
 
     @contextmanager
     def servers(self) -> Iterator[None]:

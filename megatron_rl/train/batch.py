@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..advantages import compute_advantages
-from ..rollout.routes import routes_batch
+from ..route_rows import RouteRows
 from ..tasks import LoadedTask
 from ..types import RolloutGroup, TrainBatch
 
@@ -76,9 +76,10 @@ def build_batch(groups: Sequence[RolloutGroup], scores: Scores, seq_len: int, pa
     names = sorted(scores.parts[0]) if scores.parts else []
     parts = {k: torch.tensor([p[k] for p in scores.parts]) for k in names}
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-    routes, routes_valid = routes_batch([s.routed_experts for s in samples], seq_len) or (None, None)
+    # Per sample, compact: the dense [N, seq_len, layers, topk] exists one micro-batch at a time.
+    routes = RouteRows.of_samples([s.routed_experts for s in samples], seq_len)
     batch = TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(n), rollout_logprobs=rollout_lp,
-                       routes=routes, routes_valid=routes_valid)
+                       routes=routes)
     return ScoredRollout(batch, rewards, parts, lengths, len(groups[0].samples))
 
 

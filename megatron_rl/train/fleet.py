@@ -42,6 +42,7 @@ from ..rollout.routes import attach_routes
 from ..rollout.server import EXTERNAL_SERVERS_ENV, RolloutServer, ServerError
 from ..rollout.shm import remove_stale_and_say
 from ..rollout.supervisor import ProbeExpectation, ServerSupervisor
+from ..route_rows import hold_on_rank0
 from ..sync import SyncReport, Transport, make_transport
 from ..sync import verify as verification
 from ..sync.diagnose import Diagnosis, diagnose_sync
@@ -147,8 +148,11 @@ class RolloutFleet:
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Prompts, indices: Sequence[int], step: int, version: int) -> list[RolloutGroup]:
         """The step's groups, generated on rank 0 with this step's seed and the servers' weights
-        `version` (collective: every rank returns the same groups)."""
-        return list(from_rank0(self.rollout_rank0(prompts, indices, step, version) if self.rank0 else None))
+        `version` (collective: every rank returns the same groups; their routes stay on rank 0,
+        the others get each sample's `HeldRoutes` shape: `route_rows.py`)."""
+        groups = self.rollout_rank0(prompts, indices, step, version) if self.rank0 else None
+        shared = list(from_rank0(None if groups is None else hold_on_rank0(groups)))
+        return shared if groups is None else groups
 
     def rollout_rank0(self, prompts: Prompts, indices: Sequence[int], step: int, version: int) -> list[RolloutGroup]:
         """Rank 0 only: reseed the servers for `step` and generate the groups of `indices` on the

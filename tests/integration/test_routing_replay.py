@@ -45,6 +45,13 @@ def check_replay(result: dict[str, Any]) -> None:
         assert got["replay"]["metric"]["routing/mismatch_frac"] > 0.1, layout
         assert got["train"]["metric"] > 0.1 and math.isfinite(got["train"]["loss"]), layout
         assert got["budget_replay_logprob_diff"] <= 2e-6, layout
+    # Only rank 0 held the routes; after the first forward each rank holds those of the rows its
+    # data-parallel replica computes: at TP1 (DP 2) rank 1 the second half (the padded split),
+    # at the DP 1 layouts both ranks every row.
+    every, half = result["samples_with_routes"], result["rows"] // 2
+    assert result["tp1"]["held"] == [every, [i for i in every if i >= half]]
+    for layout in LAYOUTS[1:]:
+        assert result[layout]["held"] == [every, every], layout
     # The same replayed forward at every layout: log-probs agree (fp32 reduction order only).
     sums = [result[k]["replay"]["logprob_sum"] for k in LAYOUTS]
     assert max(sums) - min(sums) < 1e-4 * abs(sums[0])
@@ -54,7 +61,8 @@ def vllm_batch(server: Any, model_dir: Path) -> tuple[Any, list[np.ndarray], lis
     """8 samples (4 prompts × 2) from the server, their re-scored routes, and the TrainBatch."""
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.client import RolloutClient
-    from megatron_rl.rollout.routes import rescore_routes, routes_batch
+    from megatron_rl.rollout.routes import rescore_routes
+    from megatron_rl.route_rows import RouteRows
     from megatron_rl.types import TrainBatch
     from tests.helpers.rollout import prompts
 
@@ -70,10 +78,9 @@ def vllm_batch(server: Any, model_dir: Path) -> tuple[Any, list[np.ndarray], lis
         tokens[i, :len(seq)] = torch.tensor(seq)
         mask[i, len(s.prompt_ids) - 1:len(seq) - 1] = 1.0
         rollout_lp[i, len(s.prompt_ids) - 1:len(seq) - 1] = torch.tensor(s.response_logprobs)
-    batch = TrainBatch(tokens, mask, torch.randn(len(seqs)), rollout_logprobs=rollout_lp)
-    packed = routes_batch(routes, seq_len)
-    assert packed is not None
-    batch.routes, batch.routes_valid = packed
+    batch = TrainBatch(tokens, mask, torch.randn(len(seqs)), rollout_logprobs=rollout_lp,
+                       routes=RouteRows.of_samples(routes, seq_len))
+    assert batch.routes is not None
     return batch, routes, seqs
 
 
@@ -135,3 +142,34 @@ def test_vllm_routes_are_the_experts_megatron_uses(tmp_path: Path, demo_weights_
         # log-probs are the sampler's to fp32 noise, with replay too.
         assert same_no["metric"]["routing/mismatch_frac"] <= 0.01, layout
         assert same_yes["lp_gap"] <= 1e-4 and same_no["lp_gap"] <= 1e-4, layout
+
+
+def test_routes_reach_exactly_the_replicas_that_compute_them(tmp_path: Path) -> None:
+    """4 gloo ranks, routes on rank 0 only: after each delivery every rank holds the routes of its
+    replica's rows, bit for bit, and no others; it received only those it lacked (a repeated split
+    sends nothing); at DP 1 every rank holds every row."""
+    out = tmp_path / "delivery.json"
+    torchrun("route_delivery_worker.py", str(out), nproc=4)
+    result = json.loads(out.read_text())
+    everything = result["everything"]
+    assert len(everything) == 11                                    # 12 samples, one without routes
+    for layout in ("tp1_dp4", "tp2_dp2", "pp2_dp2", "tp2_pp2_dp1"):
+        deliveries = result[layout]
+        assert len(deliveries) == 3
+        for k, ranks in enumerate(deliveries):
+            assert ranks[0]["held"] == everything and ranks[0]["bytes"] == 0, (layout, k)
+            for rank, got in enumerate(ranks):
+                assert got["exact"] and got["held"] == (everything if rank == 0 else got["need"]), (layout, k, rank)
+                assert got["bytes"] == got["expected_bytes"], (layout, k, rank)
+        assert all(got["bytes"] == 0 for got in deliveries[2]), layout    # the same split again
+    # Who gets which rows of the padded split (sample 0 has no routes): megatron-core's rank order
+    # tp-cp-dp-pp puts TP peers next to each other and PP stages DP apart.
+    low, high = list(range(1, 6)), list(range(6, 12))
+    assert [got["need"] for got in result["tp2_dp2"][0][1:]] == [low, high, high]        # replicas {0,1} {2,3}
+    assert [got["need"] for got in result["pp2_dp2"][0][1:]] == [high, low, high]        # replicas {0,2} {1,3}
+    assert [got["need"] for got in result["tp1_dp4"][0][1:]] == [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert all(got["need"] == everything for got in result["tp2_pp2_dp1"][0])
+    # The shuffled split moves rows between ranks: some travel again, the DP shares stay disjoint.
+    shuffled = [got["need"] for got in result["tp1_dp4"][1][1:]]
+    assert all(set(a).isdisjoint(b) for i, a in enumerate(shuffled) for b in shuffled[i + 1:])
+    assert sum(got["bytes"] for got in result["tp1_dp4"][1]) > 0

@@ -13,6 +13,11 @@ With BATCH_PT (a saved TrainBatch whose routes came from a vLLM server) step 1 i
    trained on for one step with replay. Each forward's logged ids are placed back the same way.
 Rank 0 writes, per layout, how many (token, layer) rows differ from the recorded ones in each
 forward, the metric the actor reported, and how the tokens without a recorded route were routed.
+
+The routes reach the actor as a training run's do: compact, held by rank 0 only (`hold_on_rank0`),
+delivered to the ranks of each row's data-parallel replica before every forward
+(`megatron/route_delivery.py`); each layout reports which samples every rank held after its first
+forward. The test's reference is its own dense copy of the recorded routes.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from megatron.core import parallel_state as ps  # noqa: E402
 
 from megatron_rl.config.schema import AlgorithmConfig, ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel, unwrap  # noqa: E402
+from megatron_rl.megatron.devices import init_distributed  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
-from megatron_rl.types import TrainBatch  # noqa: E402
+from megatron_rl.route_rows import RouteRows, hold_on_rank0  # noqa: E402
+from megatron_rl.types import RolloutGroup, Sample, TrainBatch  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 from tests.mp.layouts_worker import make_batch  # noqa: E402
@@ -131,16 +138,41 @@ def lp_gap(logp: torch.Tensor, batch: TrainBatch) -> float | None:
     return float(((logp - batch.rollout_logprobs).abs() * batch.mask).sum() / batch.mask.sum())
 
 
-def run_layout(hf_dir: str, name: str, batch: TrainBatch) -> dict:
-    assert batch.routes is not None and batch.routes_valid is not None
+def held_on_rank0(batch: TrainBatch, routes: torch.Tensor, valid: torch.Tensor) -> TrainBatch:
+    """`batch` with `routes` [N, L, layers, topk] (valid on a prefix of each row) as a training run
+    holds them: compact, the arrays on rank 0 only, every other rank knowing their shapes."""
+    arrays = []
+    for row, flags in zip(routes, valid):
+        n = int(flags.sum())
+        assert bool(flags[:n].all()), "recorded routes cover a prefix of each row"
+        arrays.append(row[:n].numpy())
+    group = RolloutGroup(0, {}, [Sample([], [], [], routed_experts=a) for a in arrays])
+    sent = hold_on_rank0([group])[0]                      # what the broadcast carries
+    samples = group.samples if dist.get_rank() == 0 else sent.samples
+    return dataclasses.replace(batch, routes=RouteRows.of_samples([s.routed_experts for s in samples],
+                                                                  int(routes.shape[1])))
+
+
+def held_samples(batch: TrainBatch) -> list[list[int]]:
+    """The samples whose routes each rank holds now."""
+    assert batch.routes is not None
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(batch.routes.store.arrays))
+    return every
+
+
+def run_layout(hf_dir: str, name: str, batch: TrainBatch, recorded: torch.Tensor, valid: torch.Tensor) -> dict:
+    assert batch.routes is not None
     # Compared as sets: vLLM's CPU router does not sort a token's ids (and `placed` sorts).
-    routes, valid = batch.routes.long().sort(dim=-1).values, batch.routes_valid
+    routes = recorded.long().sort(dim=-1).values
     num_layers, topk = routes.shape[2], routes.shape[3]
     actor = build(hf_dir, LAYOUTS[name])
     res: dict = {}
     for mode, replay in (("same_weights_no_replay", False), ("same_weights_replay", True)):
         logp = actor.compute_logprobs(batch, temperature=1.0, replay=replay)
         res[mode] = {"metric": actor.routing_metrics, "lp_gap": lp_gap(logp, batch)}
+        if mode == "same_weights_no_replay":
+            res["held"] = held_samples(batch)
     perturb_routers(actor, scale=3.0)
     for mode, replay in (("no_replay", False), ("replay", True)):
         start_logs(actor)
@@ -179,24 +211,29 @@ def run_layout(hf_dir: str, name: str, batch: TrainBatch) -> dict:
 
 def main() -> None:
     hf_dir, out = sys.argv[1], sys.argv[2]
+    init_distributed()                      # the batch's routes are held by rank 0 (`held_on_rank0`)
     hf = read_hf_config(hf_dir)
     num_layers, topk = hf["num_hidden_layers"], hf["num_experts_per_tok"]
     if len(sys.argv) > 3:
         batch = torch.load(sys.argv[3], weights_only=False)
-        assert batch.routes is not None
+        assert batch.routes is not None and batch.routes.store.everywhere
+        routes, valid = batch.routes.dense(batch.num_rows, int(batch.tokens.shape[1]))
     else:
         batch = make_batch(512, SHAPE["rows"], SHAPE["length"])
-        routes = record(hf_dir, batch, num_layers, topk)
+        routes = record(hf_dir, batch, num_layers, topk).to(torch.uint8)
         # Recorded like vLLM's: T − 1 rows per sequence (the last token is never forwarded); one
         # row also lost its routes after position 15 (e.g. a server-side cut).
         valid = torch.ones(SHAPE["rows"], SHAPE["length"], dtype=torch.bool)
         valid[:, -1] = False
         valid[3, 16:] = False
-        batch.routes, batch.routes_valid = routes.to(torch.uint8), valid
+    # The actor gets each row's valid prefix; the reference keeps what was recorded beyond it too.
+    batch = held_on_rank0(batch, routes, valid)
     SHAPE["rows"], SHAPE["length"] = batch.num_rows, int(batch.tokens.shape[1])
-    result = {"recorded_experts_used": sorted(set(batch.routes.long().unique().tolist()))}
+    assert batch.routes is not None
+    result: dict = {"recorded_experts_used": sorted(set(routes.long().unique().tolist())),
+                    "rows": batch.num_rows, "samples_with_routes": batch.routes.samples()}
     for name in LAYOUTS:
-        result[name] = run_layout(hf_dir, name, batch)
+        result[name] = run_layout(hf_dir, name, batch, routes, valid)
     finish(result, out)
 
 

@@ -26,6 +26,7 @@ from megatron_rl.planner.host import (
     batch_tensor_bytes,
     largest_tensor,
     route_bytes_per_token,
+    route_host_bytes,
     sample_object_bytes,
 )
 from megatron_rl.planner.memory import GB, Hardware
@@ -71,9 +72,39 @@ def test_batch_tensors_match_build_batch(experts: int) -> None:
     # The log-prob phase adds π_old and π_ref, [N, L − 1] fp32 like the rollout's.
     lp = torch.zeros(12, seq_len - 1)
     batch = dataclasses.replace(batch, old_logprobs=lp, ref_logprobs=lp.clone())
-    assert _tensor_bytes(batch) == batch_tensor_bytes(12, seq_len, params, routes=True, ref=True)
-    no_routes = dataclasses.replace(batch, routes=None, routes_valid=None, ref_logprobs=None)
-    assert _tensor_bytes(no_routes) == batch_tensor_bytes(12, seq_len, params, routes=False, ref=False)
+    assert batch.routes is not None       # compact, not a tensor of the batch (`route_host_bytes`)
+    assert _tensor_bytes(batch) == batch_tensor_bytes(12, seq_len, params, ref=True)
+    no_ref = dataclasses.replace(batch, ref_logprobs=None)
+    assert _tensor_bytes(no_ref) == batch_tensor_bytes(12, seq_len, params, ref=False)
+
+
+@pytest.mark.parametrize("experts", [200, 300], ids=["uint8-routes", "int16-routes"])
+def test_route_bytes_match_the_store_and_one_expanded_microbatch(experts: int) -> None:
+    """`route_host_bytes` against the real objects: rank 0's store holds every sample's compact
+    array, a replica's share holds 1/DP of them, one expanded micro-batch is tokens × (ids + flag),
+    and the dense batch of before is what `routes_batch` built."""
+    from megatron_rl.rollout.routes import routes_batch
+    from megatron_rl.route_rows import RouteRows, hold_on_rank0
+
+    params = count_params(dict(HF, num_experts=experts))
+    per_token = route_bytes_per_token(params)
+    rows, seq_len, prompt, response, dp, mb_tokens = 12, 64, 20, 30, 4, 2 * 64
+    groups = _groups(3, 4, prompt, response, 3, 4, experts)
+    arrays = [s.routed_experts for g in groups for s in g.samples]
+    dense = routes_batch(arrays, seq_len)
+    assert dense is not None
+    want = route_host_bytes(rows, seq_len, dp, per_token, mb_tokens, prompt + response - 1)
+    sent = [s.routed_experts for g in hold_on_rank0(groups) for s in g.samples]      # what the others get
+    rank0 = RouteRows.of_samples([s.routed_experts for g in groups for s in g.samples], seq_len)
+    other = RouteRows.of_samples(sent, seq_len)
+    assert rank0 is not None and other is not None
+    expanded = sum(t.nbytes for t in rank0.select(range(2)).dense(2, mb_tokens // 2))
+    assert rank0.store.held_bytes() + expanded == want.rank0
+    assert other.store.held_bytes() == 0
+    # A replica's share: what delivery leaves on a rank of replica 1 (rows 3..5 of the padded split).
+    other.store.arrays = {i: rank0.store.arrays[i] for i in other.samples(range(3, 6))}
+    assert other.store.held_bytes() + expanded == want.other
+    assert sum(t.nbytes for t in dense) + sum(a.nbytes for a in arrays) == want.dense_before
 
 
 def test_sample_objects_match_tracemalloc() -> None:
@@ -92,17 +123,28 @@ def test_sample_objects_match_tracemalloc() -> None:
 
 
 def test_audit_15_routes_of_qwen3_next() -> None:
-    # gpu-readiness-audit-2 #15: [2560, 4608, 48, 10] int16 on every rank = 11.3 GB (512 experts).
+    # gpu-readiness-audit-2 #15: [2560, 4608, 48, 10] int16 on every rank = 11.3 GB (512 experts),
+    # plus the samples' own arrays in the broadcast groups. Now: rank 0 keeps the compact arrays,
+    # each other rank its replica's 1/16 of them, every rank one expanded micro-batch of 4608 tokens.
     cfg = load_recipe(RECIPES / "qwen3_next_80b_a3b/grpo.yaml", ["rollout.routing_replay=true"])
     params = count_params(json.loads((RECIPES / "models/qwen3_next_80b_a3b/config.json").read_text()))
     assert route_bytes_per_token(params) == 48 * 10 * 2
-    routes = 2560 * 4608 * (48 * 10 * 2 + 1)
+    assert cfg.parallelism.data_parallel_size == 16
+    dense = 2560 * 4608 * (48 * 10 * 2 + 1)
+    assert dense / GB == pytest.approx(11.3, abs=0.1)
+    tokens = 4096 + 512 - 1                                   # the workload's caps: the upper bound
+    b = route_host_bytes(2560, 4608, 16, 960, 4608, tokens)
+    assert b.dense_before == dense + 2560 * tokens * 960
+    assert b.rank0 == 2560 * tokens * 960 + 4608 * 961
+    assert b.other == 160 * tokens * 960 + 4608 * 961
+    assert b.dense_before / GB == pytest.approx(22.6, abs=0.1) and b.other / GB == pytest.approx(0.71, abs=0.01)
     with_routes = estimate(cfg, params, Hardware(8, 80.0), workload=Workload.of(cfg))
     without = estimate(load_recipe(RECIPES / "qwen3_next_80b_a3b/grpo.yaml"), params, Hardware(8, 80.0))
     terms = {t.key: t.gb for t in with_routes.nodes[0].host_terms}
     plain = {t.key: t.gb for t in without.nodes[0].host_terms}
-    assert terms["batch"] - plain["batch"] == pytest.approx(8 * routes / GB)
-    assert routes / GB == pytest.approx(11.3, abs=0.1)
+    assert terms["batch"] == plain["batch"] and terms["samples"] == plain["samples"]
+    assert "routes" not in plain
+    assert terms["routes"] == pytest.approx((b.rank0 + 7 * b.other) / GB)
     # On the GPU: the in-flight micro-batch's ids as int64, 48 MoE layers × top-10 per token.
     gpu_terms = {t.key: t.gb for t in with_routes.stage.terms}
     assert gpu_terms["routes"] == pytest.approx(4608 * 48 * 10 * 8 / GB)

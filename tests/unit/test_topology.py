@@ -12,7 +12,14 @@ import pytest
 from megatron_rl.config import load_recipe
 from megatron_rl.slurm.render import total_nodes
 from megatron_rl.sync.gpu import master_address
-from megatron_rl.topology import duplicate_gpus, engine_devices, ipc_devices, nccl_weight_group, server_nodes
+from megatron_rl.topology import (
+    data_parallel_replicas,
+    duplicate_gpus,
+    engine_devices,
+    ipc_devices,
+    nccl_weight_group,
+    server_nodes,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION = sorted(p for p in (REPO / "recipes").glob("qwen3_*/*.yaml") if p.name != "base.yaml")
@@ -147,3 +154,48 @@ def test_gpu_transport_holds_parts_until_a_bucket_is_full() -> None:
     t.connected_at = []                     # no servers to connect to
     t.begin(2)
     assert t.sent_bytes == 0 and t.sent == []
+
+
+def _megatron_dp_groups(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
+    """megatron-core's own data-parallel groups (its RankGenerator, pure: no process group), in the
+    order `initialize_model_parallel` numbers the dense grid by default."""
+    from megatron_rl.megatron import cpu_compat
+
+    cpu_compat.apply()
+    from megatron.core.parallel_state import RankGenerator
+
+    return RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp").get_ranks("dp")
+
+
+def _check_replicas(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
+    replicas = data_parallel_replicas(world, tp, pp, cp)
+    assert len(replicas) == world // (tp * pp * cp)
+    assert sorted(r for rep in replicas for r in rep) == list(range(world))     # a partition of the world
+    assert all(len(rep) == tp * pp * cp for rep in replicas)
+    # Replica d is exactly the ranks at position d of megatron's data-parallel groups.
+    for group in _megatron_dp_groups(world, tp, pp, cp):
+        assert [next(d for d, rep in enumerate(replicas) if r in rep) for r in group] == list(range(len(replicas)))
+    return replicas
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_route_replicas_of_each_production_layout(recipe: Path) -> None:
+    """Which ranks receive a row's R3 routes (`megatron/route_delivery.py`): the replica of the DP
+    rank that computes it, as megatron-core numbers its ranks; with CP too (not used yet)."""
+    p = load_recipe(recipe).parallelism
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    replicas = _check_replicas(p.world_size, tp, pp, p.context_parallel_size)
+    assert len(replicas) == p.data_parallel_size
+    assert replicas[0][:tp] == list(range(tp))           # global rank 0 (which holds the routes) in replica 0
+    if p.context_parallel_size == 1:
+        _check_replicas(p.world_size, tp, pp // 2 or 1, 2)
+
+
+def test_route_replicas_by_hand() -> None:
+    # 8 ranks, TP 2 × PP 2: DP 2; ranks 0-3 are PP stage 0 (TP pairs 0-1, 2-3), 4-7 stage 1.
+    assert _check_replicas(8, 2, 2, 1) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # The 80B layout: 64 ranks, TP 2 × PP 2 → DP 16, replica d = TP pair 2d of each stage.
+    assert data_parallel_replicas(64, 2, 2)[5] == [10, 11, 42, 43]
+    assert _check_replicas(8, 1, 1, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="does not split"):
+        data_parallel_replicas(6, 4, 1)
