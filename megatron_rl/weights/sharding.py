@@ -11,14 +11,15 @@ gated linear unit) has two equal halves; other modules name their sections on th
 from __future__ import annotations
 
 import functools
-import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import gather_plan
 
 from ..megatron.actor import unwrap  # isort: skip  (requires the entry point's cpu_compat.apply())
 
@@ -236,7 +237,7 @@ def gather_to_rank0(model: torch.nn.Module, layers: list[int | None], chunk_byte
     device = next(unwrap(model).parameters()).device
     for layer in layers:
         # TP peers hold the same parameters, so they cut the same runs and meet in the same gathers.
-        runs = _runs(by_layer.get(layer, []), lambda p: p.full_nbytes, chunk_bytes)
+        runs = gather_plan.runs(by_layer.get(layer, []), lambda p: p.full_nbytes, chunk_bytes)
         count = torch.tensor([len(runs)], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         for i in range(int(count.item())):
@@ -249,71 +250,49 @@ def gather_to_rank0(model: torch.nn.Module, layers: list[int | None], chunk_byte
             yield from _collect_on_rank0(mine, world_rank, device, chunk_bytes)
 
 
-Spec = tuple[int, str, tuple[int, ...], torch.dtype]
-"""(source rank, global name, shape, dtype) of one tensor on its way to rank 0."""
-
-
 def _collect_on_rank0(mine: dict[str, torch.Tensor], world_rank: int, device: torch.device,
                       chunk_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Every rank's tensors on rank 0, part by part. Only names, shapes and dtypes go through
-    the object collectives; the data is sent point to point into buffers of the right shape
-    (gathering the tensors as objects costs their pickles plus a world-size buffer)."""
-    specs: list[list[tuple[str, tuple[int, ...], torch.dtype]]] | None = \
-        [[] for _ in range(dist.get_world_size())] if world_rank == 0 else None
-    dist.gather_object([(n, tuple(t.shape), t.dtype) for n, t in mine.items()], specs, dst=0)
+    """Every rank's tensors on rank 0, part by part (`gather_plan`). Only names, shapes and dtypes
+    go through the object collectives; the data goes point to point into buffers of the right
+    shape, one batch per part (gathering the tensors as objects costs their pickles plus a
+    world-size buffer)."""
+    # A tensor off `device` would go over gloo (the world group picks the backend by device) while
+    # rank 0 waits on NCCL: the rank reports it instead of its specs, and every rank raises.
+    misplaced = [f"{n} is on {t.device}; the gather sends from {device}" for n, t in mine.items() if t.device != device]
+    specs: list[Any] | None = [None] * dist.get_world_size() if world_rank == 0 else None
+    dist.gather_object(misplaced[0] if misplaced else [(n, tuple(t.shape), t.dtype) for n, t in mine.items()],
+                       specs, dst=0)
     plan: list[Any] = [None]
     if specs is not None:
-        plan[0] = _owner_conflict(specs) or _runs([(src, *spec) for src, got in enumerate(specs) for spec in got],
-                                                  _spec_nbytes, chunk_bytes)
+        plan[0] = next((s for s in specs if isinstance(s, str)), None) or gather_plan.plan_parts(specs, chunk_bytes)
     dist.broadcast_object_list(plan, src=0)
     if isinstance(plan[0], str):
         raise RuntimeError(plan[0])        # on every rank, so none waits in a collective
     for part in plan[0]:
         if world_rank != 0:
-            for src, name, _, _ in part:
-                if src == world_rank:
-                    dist.send(mine.pop(name).contiguous(), dst=0)     # freed once sent
+            outgoing = [mine.pop(name).contiguous() for _, name, _, _ in gather_plan.sends(part, world_rank)]
+            _exchange([dist.P2POp(dist.isend, t, 0) for t in outgoing])
+            del outgoing                   # freed once sent
             yield {}
             continue
-        out = {}
-        for src, name, shape, dtype in part:
-            if src == 0:
-                out[name] = mine.pop(name)
-            else:
-                out[name] = torch.empty(shape, dtype=dtype, device=device)
-                dist.recv(out[name], src=src)
-        yield out
+        out = {name: mine.pop(name) for src, name, _, _ in part if src == 0}
+        ops = []
+        for src, name, shape, dtype in gather_plan.receives(part):
+            out[name] = torch.empty(shape, dtype=dtype, device=device)   # NCCL: this rank's GPU; gloo: CPU
+            ops.append(dist.P2POp(dist.irecv, out[name], src))
+        _exchange(ops)
+        yield {name: out[name] for _, name, _, _ in part}                  # plan order, as before
 
 
-def _spec_nbytes(spec: Spec) -> int:
-    return math.prod(spec[2]) * spec[3].itemsize
-
-
-def _owner_conflict(specs: list[list[tuple[str, tuple[int, ...], torch.dtype]]]) -> str | None:
-    seen: dict[str, int] = {}
-    for src, got in enumerate(specs):
-        for name, _, _ in got:
-            if name in seen:
-                return f"{name} is owned by ranks {seen[name]} and {src}; `LocalParam.owns` must pick one"
-            seen[name] = src
-    return None
-
-
-T = TypeVar("T")
-
-
-def _runs(items: list[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
-    """Consecutive runs of at most `limit` bytes (a bigger item alone)."""
-    runs: list[list[T]] = []
-    size = limit
-    for item in items:
-        n = nbytes(item)
-        if size + n > limit or not runs:
-            runs.append([])
-            size = 0
-        runs[-1].append(item)
-        size += n
-    return runs
+def _exchange(ops: list[dist.P2POp]) -> None:
+    """One part's sends or receives as one batch, waited for (the receiving buffers are read next;
+    `wait` orders the current stream after NCCL's). Under NCCL the batch uses the world group's
+    communicator, which the count all-reduce in `gather_to_rank0` has created on every rank
+    before (a first batch on a group needs all its ranks). A rank with nothing in the part has no
+    batch: `batch_isend_irecv` refuses an empty list."""
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def gather_hf_layers(model: torch.nn.Module, adapter: Any,
