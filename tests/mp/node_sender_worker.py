@@ -1,10 +1,11 @@
 """torchrun worker: weight syncs of a real Megatron actor (TP 2 × PP 2 over two "nodes") through a
 sender per node (`sync/nodes.py`), into one recording server per node.
 
-Run as two agents, `torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0,1} … node_sender_worker.py
-HF_DIR OUT_JSON` (tests/mp/launch.py `torchrun_nodes`). Node 1's sender is rank 2 (its LOCAL_RANK
-0); pipeline stage 1 lives on node 1, so rank 0 gathers half the layers across the "nodes" while
-the node senders' broadcasts interleave with the gather. Rank 0 writes what each server loaded,
+Run as two agents, `torchrun --nnodes 2 --nproc-per-node N --node-rank {0,1} … node_sender_worker.py
+HF_DIR OUT_JSON` (tests/mp/launch.py `torchrun_nodes`): N = 2 on CPU (TP 2 × PP 2, node 1's sender
+is rank 2, its LOCAL_RANK 0), N = 1 on GPUs (PP 2, a GPU per "node", the broadcast over NCCL from
+the ranks' CUDA devices). Pipeline stage 1 lives on node 1, so rank 0 gathers half the layers
+across the "nodes" while the node senders' broadcasts interleave with the gather. Rank 0 writes what each server loaded,
 the reference (rank 0's own gather of the same weights), who wrote which files, a restart, a
 sender that fails mid-sync, and what is left in /dev/shm.
 """
@@ -28,6 +29,7 @@ cpu_compat.apply()   # explicit: before anything imports megatron-core
 
 from megatron_rl.config.schema import ParallelismConfig, TrainerConfig  # noqa: E402
 from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E402
+from megatron_rl.megatron.devices import compute_device  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.engines.loaded import views  # noqa: E402
@@ -39,7 +41,9 @@ from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_hf_layers  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
-LAYOUT = ParallelismConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True)
+LAYOUTS = {2: ParallelismConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
+           1: ParallelismConfig(pipeline_model_parallel_size=2)}
+"""By ranks per node."""
 BUCKET = 64 << 10
 """`rollout.sync_bucket_mb` in bytes, small: the 128 KiB embedding goes alone, the rest in buckets."""
 
@@ -69,7 +73,7 @@ class Server:
 
 def reference(model: torch.nn.Module, adapter: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Rank 0's own gather of the weights as they are now, in the sync dtype (collective)."""
-    return {name: t.to(dtype) for layer in gather_hf_layers(model, adapter) for name, t in layer}
+    return {name: t.to(dtype).cpu() for layer in gather_hf_layers(model, adapter) for name, t in layer}
 
 
 def mapped_by(pid: int, path: str) -> bool:
@@ -98,27 +102,29 @@ def failing_write(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def main(hf_dir: str, out: str) -> None:
-    init_parallel(LAYOUT, seed=1234)
-    rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    layout = LAYOUTS[per_node]
+    init_parallel(layout, seed=1234)
+    rank, world = dist.get_rank(), dist.get_world_size()
     nodes = world // per_node
+    device = compute_device()
     senders = shm_senders(True, nodes, per_node, nodes)
     group = open_sender_group(senders)
     assert group is not None
     hf = read_hf_config(hf_dir)
     adapter = weight_map(hf)
-    actor = Actor(build_model(hf, LAYOUT, torch.float32), 2, Training(TrainerConfig(), LAYOUT, total_updates=1))
+    actor = Actor(build_model(hf, layout, torch.float32), 2, Training(TrainerConfig(), layout, total_updates=1))
     load_hf_into_model(actor.model, hf_dir, adapter)
     servers = [Server(f"node{k}") for k in range(nodes)]
     sender_ranks = [s.rank for s in senders]
     transport: Any = None
     if rank == 0:
-        transport = NodeShmTransport(servers, senders, group, segment_bytes=BUCKET, device=torch.device("cpu"))
+        transport = NodeShmTransport(servers, senders, group, segment_bytes=BUCKET, device=device)
     elif rank in sender_ranks:
-        transport = NodeReceiver(group, BUCKET, torch.device("cpu"))
+        transport = NodeReceiver(group, BUCKET, device)
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    result: dict[str, Any] = {"senders": sender_ranks, "local_rank": int(os.environ["LOCAL_RANK"]), "syncs": {}}
+    result: dict[str, Any] = {"senders": sender_ranks, "device": str(device), "syncs": {}}
 
     def sync(version: int, dtype: torch.dtype) -> dict[str, Any]:
         with torch.no_grad():
@@ -159,6 +165,7 @@ def main(hf_dir: str, out: str) -> None:
         except RuntimeError as exc:
             result["resend_after_failure"] = str(exc)
     result["syncs"]["4"] = sync(4, torch.float32)                # and the next sync goes through
+    dist.barrier()                                               # rank 0 has read every node's copy
     if transport is not None:
         for link in getattr(transport, "links", []):
             link.close()
