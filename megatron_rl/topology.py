@@ -80,7 +80,7 @@ def duplicate_gpus(members: Sequence[GroupMember]) -> list[list[GroupMember]]:
 def transport_bucket_bytes(backend: str, requested: int) -> int:
     """Bytes a GPU transport holds before it sends (`requested`: `rollout.sync_bucket_mb` in bytes;
     `ipc` is capped at IPC_BUCKET_CAP_BYTES). The `shm` segments are not buckets: their size is
-    `requested` as given."""
+    `requested` as given (so is the bucket a `shm` sender per node is broadcast in)."""
     return min(requested, IPC_BUCKET_CAP_BYTES) if backend == "ipc" else requested
 
 
@@ -114,3 +114,80 @@ def data_parallel_replicas(world_size: int, tp: int, pp: int, cp: int = 1) -> li
     dp = world_size // model
     return [sorted(t + tp * (c + cp * (d + dp * p)) for t in range(tp) for c in range(cp) for p in range(pp))
             for d in range(dp)]
+
+
+@dataclass(frozen=True)
+class ShmSender:
+    """One writer of `rollout.weight_transfer: shm` segments (`sync/shm.py`, `sync/nodes.py`)."""
+
+    rank: int
+    """Global trainer rank that writes (its node's LOCAL_RANK 0)."""
+    node: int
+    servers: tuple[int, ...]
+    """The servers (indices in the order rank 0 drives them) that read what it writes."""
+    shared: bool
+    """Into the shared run directory (readers on other nodes), else its node's /dev/shm."""
+
+
+def shm_senders(colocated: bool, trainer_nodes: int, ranks_per_node: int, servers: int) -> list[ShmSender]:
+    """Who writes the `shm` segments. Colocated over several nodes, every node's first rank writes
+    into its own node's /dev/shm for its node's server (rank 0 broadcasts the weights to them):
+    a server never reads across nodes. Otherwise rank 0 alone, into /dev/shm for the lone server of
+    its node, or into the shared run directory for servers on rollout nodes."""
+    if trainer_nodes < 1 or ranks_per_node < 1 or servers < 0:
+        raise ValueError(f"{trainer_nodes} node(s) × {ranks_per_node} rank(s), {servers} server(s)")
+    if colocated and trainer_nodes > 1:
+        if servers != trainer_nodes:
+            raise ValueError(f"colocated: one server per node, but {servers} server(s) on {trainer_nodes} nodes")
+        return [ShmSender(n * ranks_per_node, n, (n,), False) for n in range(trainer_nodes)]
+    lone = colocated and servers == 1
+    return [ShmSender(0, 0, tuple(range(servers)), not lone)]
+
+
+def recipe_shm_senders(cfg: RecipeConfig) -> list[ShmSender]:
+    """`shm_senders` of the job the sbatch script starts for `cfg` (--nproc-per-node = gpus_per_node)."""
+    p = cfg.parallelism
+    return shm_senders(cfg.rollout.placement == "colocated", p.nodes, p.gpus_per_node, len(server_nodes(cfg)))
+
+
+@dataclass(frozen=True)
+class NodeSyncBytes:
+    """What one weight sync moves on one node (bytes)."""
+
+    node: int
+    shm_written: int
+    """Into the node's /dev/shm (RAM)."""
+    fs_written: int
+    """Into the shared file system."""
+    fs_fetched: int
+    """From the shared file system (what the node's page cache does not already hold)."""
+    received: int
+    """From rank 0's broadcast to the node senders, over the interconnect."""
+    worker_reads: int
+    """By the node's server workers, out of that node's RAM (/dev/shm or page cache)."""
+
+
+def sync_traffic(senders: Sequence[ShmSender], server_nodes_: Sequence[int], update_bytes: int,
+                 engines_per_server: int) -> list[NodeSyncBytes]:
+    """Per node hosting a sender or a server, the bytes one `shm` sync of `update_bytes` moves.
+    Every data-parallel engine of a server loads the whole update (its TP workers read their shards
+    of each tensor), so a server reads `engines_per_server` × the update out of its node's RAM. A
+    shared directory is written once from rank 0's node, whose own server reads the written pages
+    from its page cache; every other node fetches the update once (its workers share its cache)."""
+    writer_of = {k: s for s in senders for k in s.servers}
+    if sorted(writer_of) != list(range(len(server_nodes_))):
+        raise ValueError(f"senders {senders} do not cover the {len(server_nodes_)} server(s) exactly once")
+    nodes = sorted({s.node for s in senders} | set(server_nodes_))
+    out = []
+    for node in nodes:
+        mine = [s for s in senders if s.node == node]
+        reads = [writer_of[k] for k, n in enumerate(server_nodes_) if n == node]
+        fetched = update_bytes if any(w.shared and w.node != node for w in reads) else 0
+        out.append(NodeSyncBytes(
+            node,
+            shm_written=update_bytes * sum(not s.shared for s in mine),
+            fs_written=update_bytes * sum(s.shared for s in mine),
+            fs_fetched=fetched,
+            received=update_bytes if mine and len(senders) > 1 and mine[0].rank != 0 else 0,
+            worker_reads=update_bytes * engines_per_server * len(reads)))
+    return out

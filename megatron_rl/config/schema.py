@@ -188,16 +188,19 @@ class RolloutConfig:
     """How long to wait for the server's health endpoint."""
     sync_bucket_mb: int = spec(512, ge=1)
     """Weight-sync bucket size in MiB: the shm transport's segment size (a tensor larger than this
-    gets a segment of its own); the GPU transports (nccl, ipc) hold gathered parts on rank 0's GPU
-    until this much is pending and send it as one update (ipc: at most 128 MiB, since each bucket
-    is copied to every server GPU: `topology.IPC_BUCKET_CAP_BYTES`)."""
+    gets a segment of its own) and, with a sender per colocated node, the bucket rank 0 broadcasts
+    to them in; the GPU transports (nccl, ipc) hold gathered parts on rank 0's GPU until this much
+    is pending and send it as one update (ipc: at most 128 MiB, since each bucket is copied to
+    every server GPU: `topology.IPC_BUCKET_CAP_BYTES`)."""
     weight_transfer: Literal["shm", "nccl", "ipc"] = "shm"
     """How weight syncs reach the servers, always through vLLM's weight-transfer engine routes:
     'shm' = trainer rank 0 writes one copy of the weights into segment files (/dev/shm, or the
-    shared run directory for servers on other nodes) that every server reads (CPU and GPU; a
-    restarted server is brought back from them); 'nccl' = one NCCL broadcast from rank 0's GPU to
-    every worker of every server; 'ipc' = CUDA IPC handles to servers on rank 0's node. The GPU
-    backends keep no copy: a server that restarts stops the run (resume from the checkpoint)."""
+    shared run directory for servers on rollout nodes) that every server reads; colocated over
+    several nodes, each node's first rank writes its node's copy into its /dev/shm from rank 0's
+    broadcast (CPU and GPU; a restarted server is brought back from its copy); 'nccl' = one NCCL
+    broadcast from rank 0's GPU to every worker of every server; 'ipc' = CUDA IPC handles to
+    servers on rank 0's node. The GPU backends keep no copy: a server that restarts stops the run
+    (resume from the checkpoint)."""
     verify_every: int = spec(1, ge=0)
     """Verify the server's log-probs against the trainer's every N syncs (0 = never)."""
     verify_tolerance: float | None = spec(None, gt=0.0)

@@ -26,10 +26,12 @@ Trainer node, per rank × ranks per node (every rank holds the step's rollout on
 * process baseline — PROCESS_GB per rank: Python, torch, transformers and megatron-core take
   0.4 GB of RSS after import (measured on CPU); CUDA's libraries and context, Transformer Engine
   and NCCL's pinned host buffers add a few GB per GPU process (an estimate, not derived);
-* weight-sync segments (rank 0's node, `weight_transfer: shm`) — one copy of the synced weights in
-  the rollout dtype: in /dev/shm (tmpfs = RAM) for a lone server on that node, else files in the
-  shared run directory whose written pages stay in the page cache (reclaimable once flushed); the
-  largest sync counts, which with QLoRA is the first (every tensor, `first_sync_bytes`);
+* weight-sync segments (`weight_transfer: shm`, each writing node: `topology.shm_senders`) — one
+  copy of the synced weights in the rollout dtype: in /dev/shm (tmpfs = RAM) for a lone server on
+  rank 0's node, and on every node when colocated over several (a sender per node), else (servers
+  on rollout nodes) files in the shared run directory whose written pages stay in rank 0's page
+  cache (reclaimable once flushed); the largest sync counts, which with QLoRA is the first (every
+  tensor, `first_sync_bytes`);
 * checkpoint page cache (start-up, reclaimable) — safetensors memory-maps the HF shards; the pages
   the node's ranks read stay cached: the node's share of the checkpoint (dense weights read by
   every rank that holds them; experts by their EP rank). `megatron-rl convert` (a separate CPU
@@ -45,10 +47,11 @@ GPU terms outside the model state (added to the trainer's worst stage, `gpu_extr
 * weight-sync gather (global rank 0) — the largest part rank 0 holds at once: the larger of
   `sharding.GATHER_CHUNK_BYTES` and the largest unsharded tensor, twice (received, and its HF copy
   or dtype cast), plus the `nccl` transport's packed broadcast buffers (2 × 1 GiB, vLLM's default);
-* weight-sync bucket (`nccl`, `ipc`) — the gathered parts the GPU transports hold until a bucket
-  is full (`topology.transport_bucket_bytes`: `rollout.sync_bucket_mb`, capped for `ipc`), on rank
-  0's GPU; `ipc` also copies each bucket to every server GPU of that node (rank 0's allocator
-  keeps the blocks), so every GPU of stage 0 on rank 0's node holds one;
+* weight-sync bucket (`nccl`, `ipc`; `shm` with a sender per node) — the gathered parts the GPU
+  transports hold until a bucket is full (`topology.transport_bucket_bytes`: `rollout.sync_bucket_mb`,
+  capped for `ipc`), on rank 0's GPU; `ipc` also copies each bucket to every server GPU of that
+  node (rank 0's allocator keeps the blocks), so every GPU of stage 0 on rank 0's node holds one;
+  a `shm` sender per node packs the broadcast into one bucket of `rollout.sync_bucket_mb`;
 * routing-replay routes (`rollout.routing_replay`) — each in-flight micro-batch's ids on the device
   as int64 (the index dtype of the router's gather);
 * gathered log-probs (last stage) — every row's log-probs, fp32, gathered over DP
@@ -66,7 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.schema import ParallelismConfig, RecipeConfig
-from ..topology import transport_bucket_bytes
+from ..topology import recipe_shm_senders, transport_bucket_bytes
 from .memory import (
     DTYPE_BYTES,
     GB,
@@ -206,13 +209,15 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemor
                             f"rank 0 all {rows} samples, others 1/{dp} of them (one replica's)"))
     out.append(HostTerm("cpu_adam", "CPU Adam states + grad staging", ranks * (stage.host_gb + staging),
                         "optimizer_cpu_offload" if offload else "optimizer on the GPU"))
-    shm = r.weight_transfer == "shm"
-    sync, later = (first_sync_bytes(params, cfg) / GB, sync_bytes(params, cfg) / GB) if shm else (0.0, 0.0)
-    lone = r.placement == "colocated" and cfg.parallelism.nodes == 1
-    where: str = "/dev/shm (tmpfs)" if lone else "page cache of the shared run dir" if sync else r.weight_transfer
+    senders = recipe_shm_senders(cfg) if r.weight_transfer == "shm" else []
+    sync, later = (first_sync_bytes(params, cfg) / GB, sync_bytes(params, cfg) / GB) if senders else (0.0, 0.0)
+    in_ram = bool(senders) and not senders[0].shared
+    where: str = ("/dev/shm (tmpfs)" if in_ram else "page cache of the shared run dir") if senders \
+        else r.weight_transfer
     if later != sync:           # QLoRA: the first sync's segments, re-created smaller after it
         where += f"; the first sync (the whole base), then {later:.1f} GB"
-    out.append(HostTerm("sync_segments", "weight-sync segments (rank 0's node)", sync, where, reclaimable=not lone))
+    label = "weight-sync segments (every node)" if len(senders) > 1 else "weight-sync segments (rank 0's node)"
+    out.append(HostTerm("sync_segments", label, sync, where, reclaimable=not in_ram))
     share = checkpoint_share_bytes(params, cfg.parallelism, ranks, DTYPE_BYTES[r.dtype])
     out.append(HostTerm("checkpoint_cache", "checkpoint page cache (start-up)", share / GB,
                         "safetensors mmap of the node's share", reclaimable=True))
@@ -265,11 +270,14 @@ def gpu_extra_terms(cfg: RecipeConfig, params: ModelParams, stage: int, in_fligh
         packed = NCCL_PACKED_BYTES if r.weight_transfer == "nccl" else 0
         out.append(Term("sync_gather", "weight-sync gather (rank 0)", (part + packed) / GB,
                         "largest part, twice" + (" + NCCL packed buffers" if packed else "")))
-        if r.weight_transfer in ("nccl", "ipc"):
+        per_node = r.weight_transfer == "shm" and len(recipe_shm_senders(cfg)) > 1
+        if r.weight_transfer in ("nccl", "ipc") or per_node:
+            # A sender per node: rank 0 packs the broadcast into one bucket (a larger tensor goes as it is).
             bucket = transport_bucket_bytes(r.weight_transfer, r.sync_bucket_mb << 20)
+            where = (" on every server GPU of rank 0's node" if r.weight_transfer == "ipc"
+                     else " on rank 0's GPU, broadcast to the node senders" if per_node else " on rank 0's GPU")
             out.append(Term("sync_bucket", "weight-sync bucket (GPU transports)", bucket / GB,
-                            f"{bucket >> 20} MiB" + (" on every server GPU of rank 0's node"
-                                                     if r.weight_transfer == "ipc" else " on rank 0's GPU")))
+                            f"{bucket >> 20} MiB" + where))
     if r.routing_replay and params.dims.experts:
         moe = sum(1 for layer in params.layers if layer.ffn == "moe")
         ids = microbatch_tokens(cfg) / cfg.parallelism.context_parallel_size * moe * params.dims.top_k * 8 * in_flight

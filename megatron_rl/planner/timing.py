@@ -30,8 +30,10 @@ The loop's phases (`train/loop.py`), in order, and how each is modelled:
   and the step itself at the node's host memory bandwidth;
 * **sync** (`rollout.weight_transfer`) — global rank 0 gathers every tensor (over its NIC from
   other nodes, NVLink from its own), then `shm` copies them to host segments (PCIe) that a lone
-  server on its node reads, or that several servers read through the shared run directory
-  (written and read at the file system's rate); `nccl` broadcasts from rank 0's GPU to every
+  server on its node reads, or, colocated over several nodes, broadcasts them to a sender on every
+  node (InfiniBand) that copies them into its node's segments (`sync/nodes.py`), or (servers on
+  rollout nodes) writes them into the shared run directory, which the servers read (written and
+  read at the file system's rate); `nccl` broadcasts from rank 0's GPU to every
   worker; `ipc` copies every tensor to each GPU of the servers on rank 0's node (NVLink). Each
   server's workers then load their part (PCIe for `shm`).
 
@@ -397,7 +399,10 @@ def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: Rollo
         return gather, nbytes / ((g.ib_gb_s if remote else g.nvlink_gb_s) * 1e9), "one NCCL broadcast"
     if r.weight_transfer == "ipc":
         return gather, nbytes * r.tensor_parallel_size * r.data_parallel_size / (g.nvlink_gb_s * 1e9), "CUDA IPC copies"
-    if remote:            # several servers, or servers on other nodes: the shared run directory
+    if r.placement == "colocated" and nodes > 1:           # a sender per node, into its /dev/shm
+        return gather, nbytes / (g.ib_gb_s * 1e9) + nbytes / (g.pcie_gb_s * 1e9) + load, \
+            "broadcast to a /dev/shm copy per node"
+    if remote:            # servers on rollout nodes: the shared run directory
         fs = SHARED_FS_GB_S * 1e9
         return gather, nbytes / (g.pcie_gb_s * 1e9) + 2 * nbytes / fs + load, "segments in the shared run dir"
     return gather, nbytes / (g.pcie_gb_s * 1e9) + load, "/dev/shm segments"

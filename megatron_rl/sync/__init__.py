@@ -6,6 +6,8 @@ One part of a layer is gathered at a time and handed to the transport at once. O
 backend (`rollout.weight_transfer`):
 
 - `shm` (`shm.py`): segment files written once, read by every server's `mrl_shm` engine; CPU and GPU.
+  Colocated over several nodes (`nodes.py`), each node's first rank writes its node's copy, from
+  rank 0's broadcast: those ranks hold a transport too, and take every part in step.
 - `nccl`, `ipc` (`gpu.py`): vLLM's own GPU engines.
 
 `lora.py` sends only what LoRA adapters change; `verify.py` checks what the servers then compute,
@@ -34,7 +36,8 @@ Backend = Literal["shm", "nccl", "ipc"]
 
 
 class Transport(Protocol):
-    """One update at a time: begin → send_bucket* → finish (or abort), on global rank 0.
+    """One update at a time: begin → send_bucket* → finish (or abort), on global rank 0 (and on
+    the other node senders of `nodes.py`, which get every part too, empty, and return {}).
 
     What `send_bucket` gets may alias parameters (a part that needs no gather) or be reused by the
     caller afterwards. The `shm` transport copies it into its segments before returning, so each
@@ -76,10 +79,10 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
 
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
-    if rank0:
-        assert transport is not None, "rank 0 needs a transport"
-        transport.begin(version)
-    sender = transport if rank0 else None   # only rank 0 talks to the server
+    assert transport is not None or not rank0, "rank 0 needs a transport"
+    sender = transport      # rank 0's, or another node sender's (`nodes.NodeReceiver`); else None
+    if sender is not None:
+        sender.begin(version)
     total = sends = 0
     names: list[str] = []
     try:
@@ -98,6 +101,8 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
         if sender is not None:
             sender.abort()
         raise
+    if not rank0:
+        return None
     return SyncReport(version, len(names), total, sends, time.perf_counter() - start, server)
 
 

@@ -11,7 +11,8 @@ into pages both processes already have mapped. Writing fresh files every update 
 fault per 4 KiB page on this VM: 0.95 s of a 1.7 s sync of 491 MB, more than the copies
 themselves. The server reads views into its mapping (no copy) during vLLM's layer-wise reload.
 
-With a directory both sides see (servers on other nodes, `root`), each update goes into a new
+Colocated over several nodes, each node has its own writer in its own /dev/shm (`nodes.py`).
+With a directory both sides see (servers on rollout nodes, `root`), each update goes into a new
 directory whose files are flushed before the server is told; the server maps it fresh, so nothing
 relies on mmap coherence across nodes. The previous directory goes once the next one has landed.
 
@@ -33,7 +34,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -247,10 +248,20 @@ class SegmentWriter:
         self.dir = self.latest = None
 
 
-class ShmLink(EngineLink):
-    """One server reading the shared segments; what its supervisor re-sends after a restart."""
+class Segments(Protocol):
+    """Where a server's segments are: a `SegmentWriter` of this process, or what rank 0 knows of
+    another node's (`nodes.NodeCopy`)."""
 
-    def __init__(self, shared: SegmentWriter, server: EngineServer, init_info: dict[str, Any]) -> None:
+    latest: tuple[int, str, Path] | None
+    overwritten: bool
+
+    def close(self) -> None: ...
+
+
+class ShmLink(EngineLink):
+    """One server reading the segments of one writer; what its supervisor re-sends after a restart."""
+
+    def __init__(self, shared: Segments, server: EngineServer, init_info: dict[str, Any]) -> None:
         super().__init__(server, init_info)
         self.shared = shared
 

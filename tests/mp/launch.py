@@ -31,3 +31,33 @@ def torchrun(worker: str, *args: str, nproc: int = 2, timeout: float = 600,
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"{worker} failed (exit {proc.returncode}):\n{tail}")
     return proc
+
+
+def torchrun_nodes(worker: str, *args: str, nnodes: int = 2, nproc: int = 2, timeout: float = 600,
+                   cuda: bool = False) -> list[str]:
+    """`worker` as `nnodes` "nodes" on this machine: one torchrun agent per node (--node-rank k,
+    a static rendezvous on 127.0.0.1), `nproc` ranks each, so LOCAL_RANK / LOCAL_WORLD_SIZE are
+    what a real multi-node job sees. With `cuda`, node k sees GPUs k·nproc … (k+1)·nproc − 1 as
+    its own 0 … nproc − 1, as a node of its own would. Returns each agent's output."""
+    port = free_port()
+
+    def env(k: int) -> dict[str, str]:
+        gpus = ",".join(str(k * nproc + i) for i in range(nproc))
+        return dict(os.environ, CUDA_VISIBLE_DEVICES=gpus if cuda else "", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                               f"--nproc-per-node={nproc}", f"--node-rank={k}", "--master-addr=127.0.0.1",
+                               f"--master-port={port}", str(REPO / "tests" / "mp" / worker), *args],
+                              env=env(k), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k in range(nnodes)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        tails = ["\n".join(out.splitlines()[-120:]) for out in outs]
+        raise AssertionError(f"{worker} failed (exits {[p.returncode for p in procs]}):\n" + "\n---\n".join(tails))
+    return outs

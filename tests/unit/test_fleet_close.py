@@ -1,4 +1,4 @@
-"""RolloutFleet.close: every transport and server is closed even when one of them raises."""
+"""RolloutFleet.close: every transport, node sender and server is closed even when one of them raises."""
 
 from __future__ import annotations
 
@@ -32,14 +32,15 @@ def fleet(done: list[str], failing: str) -> RolloutFleet:
     f.transports = [Part(n, done, n == failing) for n in ("transport-0", "transport-1")]
     f.servers = [Part(n, done, n == failing) for n in ("server-0", "server-1")]
     f.own_server = Part("own", done, failing == "own")
+    f.node_sender = Part("node-sender", done, failing == "node-sender")    # this node's /dev/shm copy
     return f
 
 
-@pytest.mark.parametrize("failing", ["transport-0", "server-0", "own"])
+@pytest.mark.parametrize("failing", ["transport-0", "node-sender", "server-0", "own"])
 def test_one_part_failing_to_close_still_closes_the_rest_and_raises(failing: str) -> None:
     done: list[str] = []
     f = fleet(done, failing)
     with pytest.raises(OSError, match=f"{failing} failed"):
         f.close()
-    assert done == ["transport-0", "transport-1", "server-0", "server-1", "own"]
+    assert done == ["transport-0", "transport-1", "node-sender", "server-0", "server-1", "own"]
     assert all(s.closed for s in f.supervisors)

@@ -24,6 +24,7 @@ from megatron_rl.planner.host import (
     GATHER_CHUNK_BYTES,
     NCCL_PACKED_BYTES,
     batch_tensor_bytes,
+    gpu_extra_terms,
     largest_tensor,
     route_bytes_per_token,
     route_host_bytes,
@@ -221,6 +222,7 @@ def test_host_terms_by_hand_and_verdict(capsys: pytest.CaptureFixture[str]) -> N
     assert terms["batch"].gb == pytest.approx(8 * 2560 * (8 * 4608 + 16 * 4607 + 4) / GB)
     # Weight-sync segments of servers on other nodes live in the shared run dir's page cache.
     assert terms["sync_segments"].reclaimable and terms["sync_segments"].gb == pytest.approx(params.total * 2 / GB)
+    assert terms["sync_segments"].label == "weight-sync segments (rank 0's node)"
     assert trainer.host_total_gb == pytest.approx(sum(t.gb for t in trainer.host_terms if not t.reclaimable))
     assert trainer.host_fits and rollout.host_fits
     # A 256 GB node cannot hold 8 ranks' CPU Adam: the verdict says so and the exit status is 2.
@@ -231,3 +233,18 @@ def test_host_terms_by_hand_and_verdict(capsys: pytest.CaptureFixture[str]) -> N
     slept = load_recipe(path, ["rollout.sleep_level=1"])
     node = estimate(slept, params, Hardware(8, 80.0)).nodes[1]
     assert {t.key: t.gb for t in node.host_terms}["vllm_sleep"] == pytest.approx(8 * est.rollout.weights_gb)
+
+
+def test_a_sender_per_colocated_node_keeps_a_copy_in_every_nodes_ram() -> None:
+    """Colocated over 8 nodes, each node's sender holds the update in its /dev/shm (RAM, not page
+    cache: resident), and rank 0's GPU the bucket it broadcasts from."""
+    cfg = load_recipe(RECIPES / "qwen3_next_80b_a3b/grpo.yaml")
+    params = count_params(json.loads((RECIPES / "models/qwen3_next_80b_a3b/config.json").read_text()))
+    est = estimate(cfg, params, Hardware(8, 80.0), workload=Workload.of(cfg))
+    (trainer,) = est.nodes
+    term = {t.key: t for t in trainer.host_terms}["sync_segments"]
+    assert (term.label, term.note, term.reclaimable) == ("weight-sync segments (every node)", "/dev/shm (tmpfs)", False)
+    assert term.gb == pytest.approx(params.total * 2 / GB)
+    gpu = {t.key: t for t in gpu_extra_terms(cfg, params, 0, 1.0)}                   # rank 0's stage
+    assert gpu["sync_gather"].gb == pytest.approx(max(GATHER_CHUNK_BYTES, largest_tensor(params) * 2) * 2 / GB)
+    assert gpu["sync_bucket"].gb == pytest.approx(512 * 2**20 / GB) and "node senders" in gpu["sync_bucket"].note

@@ -1,6 +1,7 @@
 """Topology as pure functions (`megatron_rl/topology.py`), over every production recipe: who joins
 the `nccl` weight-transfer group on which GPU, which GPUs each data-parallel engine of a server uses
-(the CUDA IPC handles it needs), and where rank 0's rendezvous address comes from."""
+(the CUDA IPC handles it needs), who writes the `shm` segments each server reads (a sender per
+colocated node) and what one sync moves per node, and where rank 0's rendezvous address comes from."""
 
 from __future__ import annotations
 
@@ -10,15 +11,22 @@ from typing import Any
 import pytest
 
 from megatron_rl.config import load_recipe
+from megatron_rl.planner import count_params
+from megatron_rl.planner.host import sync_bytes
 from megatron_rl.slurm.render import total_nodes
 from megatron_rl.sync.gpu import master_address
 from megatron_rl.topology import (
+    NodeSyncBytes,
+    ShmSender,
     data_parallel_replicas,
     duplicate_gpus,
     engine_devices,
     ipc_devices,
     nccl_weight_group,
+    recipe_shm_senders,
     server_nodes,
+    shm_senders,
+    sync_traffic,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +56,77 @@ def test_nccl_group_of_each_production_layout(recipe: Path) -> None:
         assert [[m.role for m in g] for g in shared] == [["trainer rank 0", "server 0 engine 0 worker 0"]]
     else:
         assert shared == []
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_shm_senders_of_each_production_layout(recipe: Path) -> None:
+    """Every server reads segments written on its own node, by that node's LOCAL_RANK 0, unless
+    it sits on a rollout node (then rank 0 writes once into the shared run directory)."""
+    cfg = load_recipe(recipe)
+    p, r = cfg.parallelism, cfg.rollout
+    senders, nodes = recipe_shm_senders(cfg), server_nodes(cfg)
+    assert sorted(k for s in senders for k in s.servers) == list(range(len(nodes)))   # each server once
+    assert senders[0].rank == 0 and len({s.rank for s in senders}) == len(senders)
+    for s in senders:
+        assert s.rank % p.gpus_per_node == 0 and s.rank // p.gpus_per_node == s.node < p.nodes   # LOCAL_RANK 0
+        assert s.rank < p.world_size
+        if not s.shared:                                   # /dev/shm: only servers of its own node
+            assert {nodes[k] for k in s.servers} == {s.node}
+    if r.placement == "colocated" and p.nodes > 1:
+        assert [s.node for s in senders] == list(range(p.nodes)) and not any(s.shared for s in senders)
+    else:
+        assert len(senders) == 1 and senders[0].shared == (r.placement != "colocated")
+
+
+def test_shm_senders_keep_one_writer_where_one_suffices() -> None:
+    assert shm_senders(True, 1, 8, 1) == [ShmSender(0, 0, (0,), False)]              # lone server: /dev/shm
+    assert shm_senders(False, 2, 8, 3) == [ShmSender(0, 0, (0, 1, 2), True)]         # rollout nodes: run dir
+    assert shm_senders(True, 2, 3, 2) == [ShmSender(0, 0, (0,), False), ShmSender(3, 1, (1,), False)]
+    with pytest.raises(ValueError, match="one server per node"):
+        shm_senders(True, 2, 8, 1)
+    with pytest.raises(ValueError):
+        shm_senders(True, 0, 8, 1)
+
+
+QNEXT_GRPO = REPO / "recipes" / "qwen3_next_80b_a3b" / "grpo.yaml"
+
+
+def _sum(rows: list[NodeSyncBytes], field: str) -> int:
+    return sum(getattr(row, field) for row in rows)
+
+
+def test_sync_traffic_of_the_80b_colocated_layout_before_and_after_node_senders() -> None:
+    """Qwen3-Next-80B GRPO (8 nodes, a TP 2 × DP 4 server on each): one writer into the shared run
+    directory (before) against a sender per node (now). The server reads are the same; what moves
+    off the shared file system onto the interconnect is the update once per other node."""
+    import json
+
+    cfg = load_recipe(QNEXT_GRPO)
+    hf = json.loads((REPO / "recipes" / "models" / "qwen3_next_80b_a3b" / "config.json").read_text())
+    update = int(sync_bytes(count_params(hf), cfg))
+    assert 158e9 < update < 162e9                           # 80B parameters in bf16
+    nodes, dp = server_nodes(cfg), cfg.rollout.data_parallel_size
+    before = sync_traffic([ShmSender(0, 0, tuple(range(len(nodes))), True)], nodes, update, dp)
+    after = sync_traffic(recipe_shm_senders(cfg), nodes, update, dp)
+    assert [row.node for row in before] == [row.node for row in after] == list(range(8))
+    # Before: rank 0 writes the update into the shared FS; the 7 other nodes fetch it every step.
+    assert before[0] == NodeSyncBytes(0, 0, update, 0, 0, dp * update)
+    assert all(row == NodeSyncBytes(row.node, 0, 0, update, 0, dp * update) for row in before[1:])
+    assert _sum(before, "fs_written") + _sum(before, "fs_fetched") == 8 * update      # ~1.28 TB through the FS
+    # Now: every node writes its own /dev/shm copy; the other 7 receive rank 0's broadcast.
+    assert after[0] == NodeSyncBytes(0, update, 0, 0, 0, dp * update)
+    assert all(row == NodeSyncBytes(row.node, update, 0, 0, update, dp * update) for row in after[1:])
+    assert _sum(after, "fs_written") + _sum(after, "fs_fetched") == 0
+    assert _sum(after, "worker_reads") == _sum(before, "worker_reads") == 8 * dp * update
+
+
+def test_sync_traffic_of_a_disaggregated_layout_is_the_shared_directory() -> None:
+    senders = shm_senders(False, 8, 8, 4)
+    rows = sync_traffic(senders, [8, 9, 10, 11], 100, 2)
+    assert rows[0] == NodeSyncBytes(0, 0, 100, 0, 0, 0)                  # rank 0's node: no server
+    assert rows[1:] == [NodeSyncBytes(n, 0, 0, 100, 0, 200) for n in (8, 9, 10, 11)]
+    with pytest.raises(ValueError, match="exactly once"):
+        sync_traffic(senders, [8, 9], 100, 2)
 
 
 def test_engine_devices_follow_vllms_dp_slices() -> None:
