@@ -264,12 +264,18 @@ class ShmLink(EngineLink):
     def __init__(self, shared: Segments, server: EngineServer, init_info: dict[str, Any]) -> None:
         super().__init__(server, init_info)
         self.shared = shared
+        self.deltas_after_first = False
+        """Set for QLoRA: every update after the first (the whole NF4 base, dequantized) holds only
+        the adapted tensors, which a restarted server, back on the original base, cannot use."""
+        self.first_version: int | None = None
 
     @property
     def latest(self) -> tuple[int, str, Path] | None:
         return self.shared.latest
 
     def load(self, version: int, manifest: str) -> dict[str, Any]:
+        if self.first_version is None:
+            self.first_version = version
         spec = json.loads(manifest)
         nbytes = sum(size for _, size in spec["segments"])       # what the workers read, at most
         return self.round(version, [{"version": version, "segments": spec["segments"], "tensors": spec["tensors"]}],
@@ -283,6 +289,11 @@ class ShmLink(EngineLink):
                                    "finish; a full sync is needed")
             return None
         version, manifest, _ = self.shared.latest
+        if self.deltas_after_first and version != self.first_version:
+            raise RuntimeError(f"{getattr(self.server, 'base_url', 'the server')} restarted from the original base, "
+                               f"but QLoRA's update {version} holds only the adapted tensors of the trainer's NF4 base "
+                               "(sent whole at the first sync only). Resume the run from its checkpoint: its first "
+                               "sync sends the whole base again")
         return self.load(version, manifest)
 
     def close(self) -> None:

@@ -51,6 +51,7 @@ from ..sync import verify as verification
 from ..sync.diagnose import Diagnosis, diagnose_sync
 from ..sync.lora import sync_actor
 from ..sync.nodes import NodeReceiver, NodeShmTransport, open_sender_group
+from ..sync.shm import ShmLink
 from ..tasks import LoadedTask
 from ..topology import ShmSender, shm_senders
 from ..types import RolloutGroup, TrainBatch
@@ -118,6 +119,10 @@ class RolloutFleet:
             sync_root = None if lone else self.run_dir / "rollout" / "sync"
             self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
                                                              r.sync_bucket_mb << 20)
+        if self.cfg.lora.base_quantization != "none":
+            for link in self.transports:
+                if isinstance(link, ShmLink):
+                    link.deltas_after_first = True
         self.supervisors = [ServerSupervisor(s, t) for s, t in zip(self.servers, self.transports)]
         for transport, supervisor in zip(self.transports, self.supervisors):
             transport.supervise = supervisor.call

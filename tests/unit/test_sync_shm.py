@@ -326,3 +326,22 @@ def test_the_workers_check_compares_only_the_fields_sent_and_names_the_worker() 
         check_loaded(record | {"version": 2}, '{"version": 3}', "DP rank 1, worker rank 0")
     with pytest.raises(RuntimeError, match="'tensors': None"):
         check_loaded({"version": 3}, '{"version": 3, "tensors": 12}', "w")        # nothing loaded
+
+
+def test_a_restarted_qlora_server_is_brought_back_only_to_the_whole_base(tmp_path: Path) -> None:
+    """QLoRA's first update is the whole (dequantized NF4) base, later ones only the adapted
+    tensors: a restarted server, back on the original base, can take the first again, not a later
+    one (the run stops, to be resumed, rather than serve a mix of the two bases)."""
+    server = EngineRecorder()
+    t = SharedSegmentTransport([server], tmp_path / "sync", segment_bytes=512)
+    try:
+        t.links[0].deltas_after_first = True
+        _update(t, 1, _tensors(1))
+        assert t.links[0].resend_latest()["version"] == 1                          # the whole base again
+        t.begin(2)
+        t.send_bucket({"a": _tensors(2)["a"]})
+        t.finish(["a"])
+        with pytest.raises(RuntimeError, match="update 2 holds only the adapted tensors .* Resume the run"):
+            t.links[0].resend_latest()
+    finally:
+        t.close()
