@@ -136,8 +136,9 @@ def diagnose_sync(resend: Callable[[Transport | None], Any], transport: Transpor
                   servers: Sequence[EngineServer]) -> Diagnosis:
     """Collective (every trainer rank, right after the gate failed): re-send the weights with both
     sides checksumming, and compare. `resend(t)` is the run's own sync through `t` (rank 0's
-    transport; None on the other ranks). Every rank returns rank 0's diagnosis; a failure of the
-    diagnosis itself is reported in it rather than raised (the gate's own message must reach the user)."""
+    transport, recording; on the other ranks their own: None, or a node's shm sender). Every rank
+    returns rank 0's diagnosis; a failure of the diagnosis itself is reported in it rather than
+    raised (the gate's own message must reach the user)."""
     start = time.perf_counter()
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     problem: str | None = None
@@ -150,10 +151,12 @@ def diagnose_sync(resend: Callable[[Transport | None], Any], transport: Transpor
     problem = from_rank0(problem)
     if problem is not None:
         return Diagnosis(error=problem, seconds=time.perf_counter() - start)
+    # Rank 0 records what it sends; every other rank re-sends through its own transport, as in a
+    # sync (a node's shm sender receives and writes its copy: without it, rank 0 would wait forever).
     recorder = DigestingTransport(transport) if rank0 and transport is not None else None
     result: Diagnosis | None = None
     try:
-        resend(recorder)
+        resend(recorder if rank0 else transport)
     except Exception as exc:            # noqa: BLE001 - on rank 0 a failed finish leaves the ranks in step
         result = Diagnosis(error=f"the re-sync failed: {exc}")
     if rank0:
@@ -175,4 +178,7 @@ def _collect(recorder: DigestingTransport | None, servers: Sequence[EngineServer
         return failed
     if recorder is None:
         return Diagnosis(error="rank 0 has no weight transport")
-    return compare(recorder.digests, received)
+    try:
+        return compare(recorder.digests, received)
+    except Exception as exc:            # noqa: BLE001 - a malformed answer: reported, the ranks wait for it
+        return Diagnosis(error=f"comparing the checksums failed: {exc!r}")

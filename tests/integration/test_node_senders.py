@@ -2,7 +2,8 @@
 2 gloo ranks each), a real Megatron actor in TP 2 × PP 2 (stage 1 on node 1), one recording server
 per node. Each node's server loads, bit for bit, what rank 0 gathered, from files its own node's
 sender (LOCAL_RANK 0) wrote and maps; a restarted server is brought back from its node's copy; a
-sender that cannot write makes both senders raise (nobody hangs) and the next sync goes through;
+sender that cannot write makes both senders raise (nobody hangs) and the next sync goes through; a
+failed verification's diagnosis re-sends through every node's sender;
 nothing is left in /dev/shm."""
 
 from __future__ import annotations
@@ -45,5 +46,7 @@ def check(r: dict) -> None:
     assert f"node 1 (rank {r['senders'][1]}): OSError" in r["failed_message"], r["failed_message"]
     assert "No space left" in r["failed_message"]
     assert "partly overwritten" in r["resend_after_failure"]      # node 1 holds no complete copy now
+    assert r["diagnosis"]["same_on_every_rank"] and r["diagnosis"]["versions"] == [5, 5], r["diagnosis"]
+    assert "that the 2 vLLM workers received match what the trainer sent" in r["diagnosis"]["message"], r["diagnosis"]
     assert r["left_in_shm"] == []
     assert not [p for pid in r["pids"] for p in SHM.glob(f"{SYNC_PREFIX}{pid}-*")]

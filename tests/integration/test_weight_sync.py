@@ -62,7 +62,10 @@ def test_synced_server_matches_trainer(fields: dict, layouts: str, tmp_path: Pat
 
 def _the_check_runs_on_every_engine(server: RolloutServer) -> None:
     """vLLM answers a /collective_rpc with engine 0's workers only, so the trainer cannot see the
-    other engines' reports; the workers' own check fails the call from every engine."""
+    other engines' reports; the workers' own check fails the call from every engine. (An engine of
+    TP 1 serves on after a failed call. With TP > 1 vLLM's executor stops reading at the first
+    failed reply, `multiproc_executor.py:433-449`, and leaves the others queued: a run never
+    reuses a server after a failed check, its sync fails and the run stops.)"""
     version = int(one_result(server.rpc("mrl_loaded"))["version"])
     assert len(server.rpc("mrl_loaded")) == 1                       # 2 engines of 1 worker: one answer
     assert one_result(server.rpc("mrl_check_loaded", json.dumps({"version": version})))["version"] == version

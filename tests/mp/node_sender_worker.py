@@ -32,9 +32,11 @@ from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E
 from megatron_rl.megatron.devices import compute_device  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
+from megatron_rl.rollout.engines.digest import tensor_digest  # noqa: E402
 from megatron_rl.rollout.engines.loaded import views  # noqa: E402
 from megatron_rl.rollout.shm import SHM, SYNC_PREFIX  # noqa: E402
 from megatron_rl.sync import sync_weights  # noqa: E402
+from megatron_rl.sync.diagnose import diagnose_sync  # noqa: E402
 from megatron_rl.sync.nodes import NodeReceiver, NodeShmTransport, open_sender_group  # noqa: E402
 from megatron_rl.topology import shm_senders  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
@@ -68,6 +70,8 @@ class Server:
             self.version = info["version"]
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
+        if method == "mrl_digests":          # the diagnosis: what was loaded, as a worker digests it
+            return [{name: list(tensor_digest(t)) for name, t in self.loaded.items()}]
         return [{"version": self.version, "tensors": len(self.loaded)}]
 
 
@@ -165,6 +169,14 @@ def main(hf_dir: str, out: str) -> None:
         except RuntimeError as exc:
             result["resend_after_failure"] = str(exc)
     result["syncs"]["4"] = sync(4, torch.float32)                # and the next sync goes through
+    # A failed verification's diagnosis re-sends through every rank's own transport (the node
+    # senders included: without theirs, rank 0 waited for them until the collective timeout).
+    diagnosis = diagnose_sync(lambda t: sync_weights(actor.model, adapter, t, 5, torch.float32), transport,
+                              servers if rank == 0 else [])
+    done: list[Any] = [None] * world
+    dist.all_gather_object(done, diagnosis.message())
+    result["diagnosis"] = {"same_on_every_rank": len(set(done)) == 1, "versions": [s.version for s in servers],
+                           "message": done[0]}
     dist.barrier()                                               # rank 0 has read every node's copy
     if transport is not None:
         for link in getattr(transport, "links", []):

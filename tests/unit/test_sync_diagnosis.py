@@ -110,6 +110,13 @@ def test_checksum_on_a_gpu_equals_the_cpu_one() -> None:
     t = torch.randn(3000, 517, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     cpu, gpu = tensor_digest(t, chunk_bytes=1 << 16), tensor_digest(t.cuda())
     assert gpu.checksum == cpu.checksum and gpu.sumsq == pytest.approx(cpu.sumsq, rel=1e-12)
+    staged = tensor_digest(t, chunk_bytes=1 << 16, device=torch.device("cuda"))   # host tensor, hashed on the GPU
+    assert staged.checksum == cpu.checksum and staged.sumsq == pytest.approx(cpu.sumsq, rel=1e-12)
+
+
+def test_checksum_on_another_device_than_the_tensor_is_the_same() -> None:
+    t = torch.randn(300, 17, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert tensor_digest(t, chunk_bytes=1 << 10, device=torch.device("cpu")) == tensor_digest(t)
 
 
 def _tensors() -> dict[str, torch.Tensor]:

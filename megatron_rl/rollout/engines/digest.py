@@ -39,14 +39,16 @@ class Digest(NamedTuple):
     """Σ x² in float64 (NaN for a non-finite tensor); equal up to summation order on both sides."""
 
 
-def tensor_digest(t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Digest:
-    """The digest of `t`'s bytes and values, computed on `t`'s device; one host sync at the end."""
+def tensor_digest(t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, device: torch.device | None = None) -> Digest:
+    """The digest of `t`'s bytes and values, computed on `device` (default: `t`'s own; a CPU tensor
+    is then copied there one chunk at a time); one host sync at the end."""
     flat = t.detach().contiguous().reshape(-1)
+    on = flat.device if device is None else device
     step = max(1, chunk_bytes // max(1, flat.element_size()))
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    sumsq = torch.zeros((), dtype=torch.float64, device=flat.device)
+    total = torch.zeros((), dtype=torch.int64, device=on)
+    sumsq = torch.zeros((), dtype=torch.float64, device=on)
     for start in range(0, flat.numel(), step):
-        part = flat[start:start + step]
+        part = flat[start:start + step].to(on)
         b = part.view(torch.uint8).to(torch.int64)
         first = start * flat.element_size()
         w = torch.arange(first, first + b.numel(), dtype=torch.int64, device=b.device).mul_(A).remainder_(P).add_(1)
@@ -75,8 +77,11 @@ def take() -> dict[str, Digest]:
 def digested(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """`weights` as they are, each recorded on its way to `load_weights`, before the load can
     change or release it (vLLM's packed NCCL consumer reuses its buffers)."""
+    # On a GPU worker the `shm` engine hands over host views: hashing them on the host ran at
+    # ~10 MB/s per thread (vLLM leaves torch one thread), hours for a 235B update; its GPU is fast.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     for name, tensor in weights:
-        RECEIVED["digests"][name] = tensor_digest(tensor)
+        RECEIVED["digests"][name] = tensor_digest(tensor, device=device)
         yield name, tensor
 
 
