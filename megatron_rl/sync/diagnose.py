@@ -45,14 +45,21 @@ class DigestingTransport:
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.digests: dict[str, Digest] = {}
+        self.error: str | None = None
+        """The first checksum that failed (e.g. out of GPU memory); the tensors still go on."""
 
     def begin(self, version: int) -> None:
-        self.digests = {}
+        self.digests, self.error = {}, None
         self.inner.begin(version)
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
-        for name, t in tensors.items():
-            self.digests[name] = tensor_digest(t)
+        # The part is handed on whatever happens here: the node senders wait for every part's
+        # broadcast, and a part held back would leave them (and the gather) waiting.
+        try:
+            for name, t in tensors.items():
+                self.digests[name] = tensor_digest(t)
+        except Exception as exc:        # noqa: BLE001 - reported in the diagnosis
+            self.error = self.error or f"checksumming {name} on the trainer failed: {exc!r}"
         self.inner.send_bucket(tensors)
 
     def finish(self, names: list[str]) -> dict[str, Any]:
@@ -178,6 +185,8 @@ def _collect(recorder: DigestingTransport | None, servers: Sequence[EngineServer
         return failed
     if recorder is None:
         return Diagnosis(error="rank 0 has no weight transport")
+    if recorder.error is not None:
+        return Diagnosis(error=recorder.error)
     try:
         return compare(recorder.digests, received)
     except Exception as exc:            # noqa: BLE001 - a malformed answer: reported, the ranks wait for it

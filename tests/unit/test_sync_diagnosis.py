@@ -175,6 +175,29 @@ def test_sender_digests_are_of_the_bytes_the_shm_transport_writes(tmp_path: Path
     inner.close()
 
 
+def test_a_checksum_that_fails_on_the_trainer_still_hands_the_part_on(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node sender waits for every part's broadcast: a part held back by a failed checksum (out
+    of GPU memory beside vLLM) would hang the re-send; it goes on, and the diagnosis says why not."""
+    from megatron_rl.sync import diagnose
+
+    tensors = _tensors()
+    server = EngineRecorder()
+    inner = SharedSegmentTransport([server], tmp_path, segment_bytes=200)
+    recorder = DigestingTransport(inner)
+
+    def out_of_memory(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(diagnose, "tensor_digest", out_of_memory)
+    recorder.begin(4)
+    recorder.send_bucket(tensors)
+    assert recorder.finish(list(tensors))["version"] == 4 and set(server.loaded) == set(tensors)   # all sent
+    assert recorder.error is not None and "out of memory" in recorder.error
+    assert "not available (checksumming" in diagnose._collect(recorder, [], None).message()
+    inner.close()
+
+
 class _Model(torch.nn.Module):
     """Loads like vLLM's packed consumer: reads each tensor, then reuses its buffer (zeroes it)."""
 

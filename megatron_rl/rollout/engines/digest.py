@@ -79,9 +79,10 @@ def digested(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str,
     change or release it (vLLM's packed NCCL consumer reuses its buffers)."""
     # On a GPU worker the `shm` engine hands over host views: hashing them on the host ran at
     # ~10 MB/s per thread (vLLM leaves torch one thread), hours for a 235B update; its GPU is fast.
+    # A tensor already on a GPU is hashed where it is.
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     for name, tensor in weights:
-        RECEIVED["digests"][name] = tensor_digest(tensor, device=device)
+        RECEIVED["digests"][name] = tensor_digest(tensor, device=None if tensor.is_cuda else device)
         yield name, tensor
 
 
