@@ -105,6 +105,17 @@ def failing_write(tensors: dict[str, torch.Tensor]) -> None:
     raise OSError(28, "No space left on device (simulated)")
 
 
+def diagnosis(model: torch.nn.Module, adapter: Any, transport: Any, servers: list[Server]) -> dict[str, Any]:
+    """A failed verification's diagnosis re-sends through every rank's own transport (the node
+    senders included: without theirs, rank 0 waited for them until the collective timeout)."""
+    rank = dist.get_rank()
+    found = diagnose_sync(lambda t: sync_weights(model, adapter, t, 5, torch.float32), transport,
+                          servers if rank == 0 else [])
+    done: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(done, found.message())
+    return {"same_on_every_rank": len(set(done)) == 1, "versions": [s.version for s in servers], "message": done[0]}
+
+
 def main(hf_dir: str, out: str) -> None:
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     layout = LAYOUTS[per_node]
@@ -169,14 +180,7 @@ def main(hf_dir: str, out: str) -> None:
         except RuntimeError as exc:
             result["resend_after_failure"] = str(exc)
     result["syncs"]["4"] = sync(4, torch.float32)                # and the next sync goes through
-    # A failed verification's diagnosis re-sends through every rank's own transport (the node
-    # senders included: without theirs, rank 0 waited for them until the collective timeout).
-    diagnosis = diagnose_sync(lambda t: sync_weights(actor.model, adapter, t, 5, torch.float32), transport,
-                              servers if rank == 0 else [])
-    done: list[Any] = [None] * world
-    dist.all_gather_object(done, diagnosis.message())
-    result["diagnosis"] = {"same_on_every_rank": len(set(done)) == 1, "versions": [s.version for s in servers],
-                           "message": done[0]}
+    result["diagnosis"] = diagnosis(actor.model, adapter, transport, servers)
     dist.barrier()                                               # rank 0 has read every node's copy
     if transport is not None:
         for link in getattr(transport, "links", []):
