@@ -57,7 +57,7 @@ def control_client(incarnation: tuple[str, int, int]) -> httpx.Client:
     client = clients.get(incarnation)
     if client is None:
         for earlier in [k for k in clients if k[0] == incarnation[0]]:
-            clients.pop(earlier).close()
+            drop_control_client(earlier)
         client = clients[incarnation] = httpx.Client(limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
     return client
 

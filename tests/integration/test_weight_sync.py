@@ -66,8 +66,9 @@ def _the_check_runs_on_every_engine(server: RolloutServer) -> None:
     TP 1 serves on after a failed call. With TP > 1 vLLM's executor stops reading at the first
     failed reply, `multiproc_executor.py:433-449`, and leaves the others queued: a run never
     reuses a server after a failed check, its sync fails and the run stops.)"""
-    version = int(one_result(server.rpc("mrl_loaded"))["version"])
-    assert len(server.rpc("mrl_loaded")) == 1                       # 2 engines of 1 worker: one answer
+    loaded = server.rpc("mrl_loaded")
+    assert len(loaded) == 1                                         # 2 engines of 1 worker: one answer
+    version = int(one_result(loaded)["version"])
     assert one_result(server.rpc("mrl_check_loaded", json.dumps({"version": version})))["version"] == version
     with pytest.raises(ServerError, match=r"weight update check failed on DP rank \d, worker rank 0, pid \d+"):
         server.rpc("mrl_check_loaded", json.dumps({"version": version + 1}))
