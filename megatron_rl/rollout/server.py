@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,10 @@ def drop_control_client(incarnation: tuple[str, int, int]) -> None:
 
 class ServerError(RuntimeError):
     """The server did not come up, or died."""
+
+
+class AddressTaken(ServerError):
+    """The server could not bind one of its ports: another process took it first."""
 
 
 def new_token(path: Path) -> str:
@@ -127,6 +132,8 @@ class RolloutServer:
     stop could not remove yet (a killed process still tearing down) is tried again by the next."""
     tmp_dir: Path | None = None
     """The server's own temp directory (its TMPDIR, `rollout/shm.py`), removed with it."""
+    log_start: int = 0
+    """Where this start's lines begin in server.log (`log_tail`)."""
 
     @classmethod
     def attach(cls, server_dir: Path, cfg: RolloutConfig) -> RolloutServer:
@@ -223,35 +230,60 @@ class RolloutServer:
         self.rollout_dir.mkdir(parents=True, exist_ok=True)
         if self.shm_before is None:
             self.shm_before = set(os.listdir(SHM)) if SHM.is_dir() else set()
-        self.tmp_dir = _new_tmp_dir()
-        # A new session, so stop() can kill the server's whole process group (API server, engine
-        # core, workers); server_main watches MRL_PARENT_PID and kills that group if we die. The
-        # child keeps its own copy of the log's descriptor: ours closes here, not once per restart.
-        with open(self.rollout_dir / "server.log", "ab") as log:
-            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_healthy()
+        try:
+            self._launch()
+        except AddressTaken as e:
+            # vLLM picks its internal ports (engine core, distributed init) free-then-bind, so a
+            # server starting beside another can lose one of them to it: once, with a new port.
+            _progress(f"{e}; starting it again", end="\n")
+            self.port = self.cfg.port or free_port(self.cfg.host)
+            self._launch()
+        assert self.proc is not None            # _launch returns only once it is healthy
         info = {"url": self.base_url, "pid": self.proc.pid, "model": self.model_dir, "restarts": self.restarts,
                 "stop_token_ids": self.stop_token_ids, "hostname": socket.gethostname()}
         (self.rollout_dir / "server.json").write_text(json.dumps(info, indent=1))
+
+    def _launch(self) -> None:
+        log_path = self.rollout_dir / "server.log"
+        self.log_start = log_path.stat().st_size if log_path.is_file() else 0
+        self.tmp_dir = self.tmp_dir or _new_tmp_dir()
+        # A new session, so stop() can kill the server's whole process group (API server, engine
+        # core, workers); server_main watches MRL_PARENT_PID and kills that group if we die. The
+        # child keeps its own copy of the log's descriptor: ours closes here, not once per restart.
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_healthy()
+
+    def log_tail(self, lines: int = 12) -> str:
+        """The last lines this start wrote to server.log (the log is kept across restarts)."""
+        try:
+            with open(self.rollout_dir / "server.log", "rb") as f:
+                f.seek(self.log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.rstrip().splitlines()[-lines:])
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         start = time.monotonic()
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                code = self.proc.returncode
+                code, tail = self.proc.returncode, self.log_tail()
                 self.stop()         # its engine processes and files: a failed start may not be retried
-                raise ServerError(f"rollout server exited with code {code} while starting; "
-                                  f"see {self.rollout_dir / 'server.log'}")
+                error = AddressTaken if "Address already in use" in tail else ServerError
+                raise error(f"rollout server exited with code {code} while starting; "
+                            f"see {self.rollout_dir / 'server.log'}, which ends:\n{textwrap.indent(tail, '  | ')}")
             if self.healthy():
                 _progress(f"rollout server healthy at {self.base_url} after {time.monotonic() - start:.0f}s", end="\n")
                 return
             _progress(f"waiting for rollout server at {self.base_url} ... {time.monotonic() - start:.0f}s")
             time.sleep(1.0)
+        tail = self.log_tail()
         self.stop()
         raise ServerError(f"rollout server not healthy after {self.cfg.startup_timeout_s:.0f}s; "
-                          f"see {self.rollout_dir / 'server.log'}")
+                          f"see {self.rollout_dir / 'server.log'}, which ends:\n{textwrap.indent(tail, '  | ')}")
 
     def healthy(self) -> bool:
         try:

@@ -18,9 +18,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout import shm
-from megatron_rl.rollout.server import RolloutServer
+from megatron_rl.rollout.server import AddressTaken, RolloutServer, ServerError
 from tests.helpers.rollout import REPO
 
 SERVER = r'''
@@ -158,3 +160,42 @@ def test_a_server_whose_trainer_died_removes_its_files_as_its_watchdog_kills_it(
         server.kill()
         queue.unlink(missing_ok=True)
         shm.remove_server_tmp_dir(tmp)
+
+
+TAKEN_ONCE = r'''
+import os, sys
+marker = sys.argv[2]
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    print("starting the engine core", flush=True)
+    sys.exit("OSError: [Errno 98] Address already in use")
+''' + SERVER
+
+
+class TakenOnce(RolloutServer):
+    """Loses a port to another process on its first start, as vLLM's free-then-bind ports can."""
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", TAKEN_ONCE, str(self.port), str(self.run_dir / "tried")]
+
+
+def test_a_start_that_lost_a_port_starts_again_and_other_failures_show_the_log(tmp_path: Path) -> None:
+    server = TakenOnce("model", tmp_path / "run", RolloutConfig(startup_timeout_s=60), 64, stop_token_ids=[0])
+    try:
+        server.start()
+        assert server.alive() and server.healthy()
+        first_port = server.port
+        log = (server.rollout_dir / "server.log").read_text()
+        assert log.count("Address already in use") == 1 and "starting the engine core" in log
+    finally:
+        server.stop()
+    # Any other failure is raised, with the lines of this start (not the earlier ones) in the error.
+    (tmp_path / "run" / "tried").unlink()
+    broken = TakenOnce("model", tmp_path / "run", RolloutConfig(startup_timeout_s=60, port=first_port), 64,
+                       stop_token_ids=[0])
+    broken.command = lambda: [sys.executable, "-c", "import sys; print('fresh line'); sys.exit('no model here')"]
+    with pytest.raises(ServerError) as raised:
+        broken.start()
+    assert not isinstance(raised.value, AddressTaken)
+    assert "which ends:\n  | fresh line\n  | no model here" in str(raised.value)
+    assert "Address already in use" not in str(raised.value)
+    assert broken.proc is None and broken.tmp_dir is None
