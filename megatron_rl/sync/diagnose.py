@@ -168,9 +168,9 @@ def diagnose_sync(resend: Callable[[Transport | None], Any], transport: Transpor
         result = Diagnosis(error=f"the re-sync failed: {exc}")
     if rank0:
         result = _collect(recorder, servers, result)
+        result.seconds = time.perf_counter() - start        # rank 0's, as the rest of the diagnosis
     result = from_rank0(result)
     assert result is not None
-    result.seconds = time.perf_counter() - start
     return result
 
 

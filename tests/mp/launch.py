@@ -38,8 +38,21 @@ def torchrun_nodes(worker: str, *args: str, nnodes: int = 2, nproc: int = 2, tim
     """`worker` as `nnodes` "nodes" on this machine: one torchrun agent per node (--node-rank k,
     a static rendezvous on 127.0.0.1), `nproc` ranks each, so LOCAL_RANK / LOCAL_WORLD_SIZE are
     what a real multi-node job sees. With `cuda`, node k sees GPUs k·nproc … (k+1)·nproc − 1 as
-    its own 0 … nproc − 1, as a node of its own would. Returns each agent's output."""
-    port = free_port()
+    its own 0 … nproc − 1, as a node of its own would. Returns each agent's output. The agents share
+    a port picked free beforehand, so a start that lost it to another process runs once more."""
+    for attempt in (1, 2):
+        codes, outs = _run_nodes(worker, args, nnodes, nproc, timeout, cuda, free_port())
+        if attempt == 1 and any(codes) and "Address already in use" in outs[0]:
+            continue
+        if any(codes):
+            tails = ["\n".join(out.splitlines()[-120:]) for out in outs]
+            raise AssertionError(f"{worker} failed (exits {codes}):\n" + "\n---\n".join(tails))
+        return outs
+    raise AssertionError("unreachable")
+
+
+def _run_nodes(worker: str, args: tuple[str, ...], nnodes: int, nproc: int, timeout: float, cuda: bool,
+               port: int) -> tuple[list[int], list[str]]:
 
     def env(k: int) -> dict[str, str]:
         gpus = ",".join(str(k * nproc + i) for i in range(nproc))
@@ -51,13 +64,14 @@ def torchrun_nodes(worker: str, *args: str, nnodes: int = 2, nproc: int = 2, tim
                               env=env(k), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k in range(nnodes)]
     try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        outs = [procs[0].communicate(timeout=timeout)[0]]
+        if procs[0].returncode and "Address already in use" in outs[0]:
+            for p in procs[1:]:
+                p.kill()        # dialling a store that never came up: until its timeout otherwise
+        outs += [p.communicate(timeout=timeout)[0] for p in procs[1:]]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if any(p.returncode for p in procs):
-        tails = ["\n".join(out.splitlines()[-120:]) for out in outs]
-        raise AssertionError(f"{worker} failed (exits {[p.returncode for p in procs]}):\n" + "\n---\n".join(tails))
-    return outs
+    return [p.returncode for p in procs], outs
