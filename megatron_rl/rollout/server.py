@@ -234,9 +234,12 @@ class RolloutServer:
             self._launch()
         except AddressTaken as e:
             # vLLM picks its internal ports (engine core, distributed init) free-then-bind, so a
-            # server starting beside another can lose one of them to it: once, with a new port.
+            # server starting beside another can lose one of them to it: once more, on a new API
+            # port at a first start (ours may be the one taken), on the same one at a restart,
+            # whose clients hold the address.
             _progress(f"{e}; starting it again", end="\n")
-            self.port = self.cfg.port or free_port(self.cfg.host)
+            if not self.cfg.port and self.restarts == 0:
+                self.port = free_port(self.cfg.host)
             self._launch()
         assert self.proc is not None            # _launch returns only once it is healthy
         info = {"url": self.base_url, "pid": self.proc.pid, "model": self.model_dir, "restarts": self.restarts,
