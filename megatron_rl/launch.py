@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
+    family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(address)
         return int(s.getsockname()[1])
 
 

@@ -74,7 +74,11 @@ class ServerError(RuntimeError):
     """The server did not come up, or died."""
 
 
-class AddressTaken(ServerError):
+class ServerExited(ServerError):
+    """The server process exited before it was healthy (a start-up timeout is a plain ServerError)."""
+
+
+class AddressTaken(ServerExited):
     """The server could not bind one of its ports: another process took it first."""
 
 
@@ -275,7 +279,7 @@ class RolloutServer:
             if self.proc is not None and self.proc.poll() is not None:
                 code, tail = self.proc.returncode, self.log_tail()
                 self.stop()         # its engine processes and files: a failed start may not be retried
-                error = AddressTaken if "Address already in use" in tail else ServerError
+                error = AddressTaken if _lost_a_port(tail) else ServerExited
                 raise error(f"rollout server exited with code {code} while starting; "
                             f"see {self.rollout_dir / 'server.log'}, which ends:\n{textwrap.indent(tail, '  | ')}")
             if self.healthy():
@@ -372,6 +376,13 @@ class RolloutServer:
         if resp.status_code != 200:
             raise ServerError(f"/is_sleeping: HTTP {resp.status_code}: {resp.text[:500]}")
         return bool(resp.json()["is_sleeping"])
+
+
+def _lost_a_port(log: str) -> bool:
+    """A bind that failed (uvicorn's "[Errno 98] … address already in use", ZMQ's "Address already in
+    use"), not vLLM's own data-parallel retry ("Address already in use. Retrying with a new port.")."""
+    return any("address already in use" in line.lower() and "retrying" not in line.lower()
+               for line in log.splitlines())
 
 
 def cpu_thread_binding(ranks: int) -> str:

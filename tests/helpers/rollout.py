@@ -15,7 +15,7 @@ from megatron_rl.commands.demo import cache_root
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.demo.prepare import TOKENIZER_FILES, prepare_demo_assets
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.rollout.server import RolloutServer, ServerError
+from megatron_rl.rollout.server import RolloutServer, ServerExited
 from megatron_rl.sync.shm import SharedSegmentTransport
 from megatron_rl.weights.tiny import build_tiny_hf_checkpoint
 from tests.helpers.models import TINY_MOE
@@ -58,9 +58,10 @@ def start_server(model: Path, run_dir: Path, **overrides: object) -> RolloutServ
     server = RolloutServer(str(model), run_dir, cfg, max_model_len=128)
     try:
         server.start()
-    except ServerError as e:
+    except ServerExited as e:
         # Once seen in CI (a TP1 start beside another worker's TP2 server, exit code 1, log lost
         # with the runner): a second failure fails the test, and the first one's log is reported.
+        # Not a start-up timeout: a hung start (a GPU test's) would be waited for twice.
         warnings.warn(f"a rollout server failed to start; starting it once more. {e}", stacklevel=2)
         server.start()
     return server

@@ -22,7 +22,7 @@ import pytest
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout import shm
-from megatron_rl.rollout.server import AddressTaken, RolloutServer, ServerError
+from megatron_rl.rollout.server import AddressTaken, RolloutServer, ServerError, ServerExited
 from tests.helpers.rollout import REPO
 
 SERVER = r'''
@@ -195,7 +195,18 @@ def test_a_start_that_lost_a_port_starts_again_and_other_failures_show_the_log(t
     broken.command = lambda: [sys.executable, "-c", "import sys; print('fresh line'); sys.exit('no model here')"]
     with pytest.raises(ServerError) as raised:
         broken.start()
-    assert not isinstance(raised.value, AddressTaken)
+    assert isinstance(raised.value, ServerExited) and not isinstance(raised.value, AddressTaken)
     assert "which ends:\n  | fresh line\n  | no model here" in str(raised.value)
     assert "Address already in use" not in str(raised.value)
     assert broken.proc is None and broken.tmp_dir is None
+
+
+def test_only_a_failed_bind_counts_as_a_lost_port() -> None:
+    from megatron_rl.rollout.server import _lost_a_port
+
+    assert _lost_a_port("ERROR: [Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): "
+                        "address already in use")                                     # uvicorn
+    assert _lost_a_port("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5555')")
+    # vLLM's own DP retry, followed by an unrelated failure: not a lost port.
+    assert not _lost_a_port("WARNING [parallel.py:746] Address already in use. Retrying with a new port.\n"
+                            "torch.OutOfMemoryError: CUDA out of memory")
