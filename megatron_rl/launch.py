@@ -7,7 +7,6 @@ conversion and the two-process test workers. The arguments are torchrun's, uncha
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .megatron.rendezvous import install
+from .ports import free_port
 
 PORT_TRIES = 3
 """Starts of a one-node run whose rendezvous port was taken (see `main`)."""
@@ -35,16 +35,9 @@ def main(argv: list[str] | None = None) -> None:
             # free port will do; a multi-node run's port is shared with the other nodes and stays.
             if max_nodes > 1 or args.rdzv_endpoint or "Address already in use" not in str(e) or attempt == PORT_TRIES:
                 raise
-            taken, args.master_port = args.master_port, _free_port(args.master_addr)
+            taken, args.master_port = args.master_port, free_port(args.master_addr)
             print(f"[launch] rendezvous port {taken} was taken; starting again on {args.master_port}",
                   file=sys.stderr, flush=True)
-
-
-def _free_port(host: str) -> int:
-    family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind(address)
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

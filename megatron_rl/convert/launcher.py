@@ -14,13 +14,13 @@ temporary directories next to `--out` and renamed into place only when complete.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from ..ports import free_port
 from .job import ConversionError, ConvertJob, check_job
 
 
@@ -50,7 +50,7 @@ def run_conversion(job: ConvertJob, force: bool = False) -> int:
 
 def _worker_command(job: ConvertJob, world: int) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.launch", f"--nproc-per-node={world}", "--nnodes=1",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+            "--master-addr=127.0.0.1", f"--master-port={free_port('127.0.0.1')}",
             "-m", "megatron_rl.convert", job.to_json()]
 
 
@@ -74,12 +74,6 @@ def _stderr_fd() -> int | None:
         return sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):
         return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stop(proc: subprocess.Popen) -> None:

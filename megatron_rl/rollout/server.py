@@ -33,6 +33,7 @@ import httpx
 import torch
 
 from ..config.schema import RolloutConfig
+from ..ports import free_port
 from .affinity import CPUS_ENV, format_cpu_list, online_cpus
 from .engines import ENGINES
 from .shm import SERVER_TMP_ENV, SHM, new_server_tmp_dir, remove_server_tmp_dir, remove_unused, wait_group_gone
@@ -89,12 +90,6 @@ def new_token(path: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token)
     return token
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def eos_token_ids(model_dir: str) -> list[int]:

@@ -38,8 +38,8 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
+from ..ports import free_port
 from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, open_group
-from ..rollout.server import free_port
 from ..topology import ipc_devices
 from .routes import EngineLink, EngineServer, one_result
 

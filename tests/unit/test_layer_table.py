@@ -19,7 +19,7 @@ PKG = REPO / "megatron_rl"
 # Lowest first. A module belongs to the layer of its longest matching prefix (a folder or a file).
 # Within a layer any direction is allowed; the cycle test below still applies there.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("megatron_rl", "megatron_rl.types", "megatron_rl.registry", "megatron_rl.console",
+    ("base", ("megatron_rl", "megatron_rl.types", "megatron_rl.registry", "megatron_rl.console", "megatron_rl.ports",
               "megatron_rl.model_config", "megatron_rl.config")),
     ("pure", ("megatron_rl.objectives", "megatron_rl.advantages", "megatron_rl.logprobs", "megatron_rl.rewards",
               "megatron_rl.data", "megatron_rl.nf4", "megatron_rl.schedule", "megatron_rl.topology")),
