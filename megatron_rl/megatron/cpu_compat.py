@@ -36,16 +36,16 @@ PATCHED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("megatron.core.ssm.gated_delta_net.gdn", "chunk_gated_delta_rule"),
     ("megatron.core.ssm.gated_delta_net.gdn", "causal_conv1d"),
 )
-# Methods megatron decorates with `jit_fuser`, i.e. `torch.compile` applied at import. On CPU the
-# first call builds inductor C++ kernels and needs a compiler on the machine: measured 15 s of a
-# tiny Qwen3-Next's first forward+backward (0.1 s without). The Python originals are restored.
+# Methods megatron decorates with `jit_fuser` (`torch.compile`); on CPU they must stay plain Python
+# (`_import_megatron_uncompiled`): a first compiled call builds inductor C++ kernels and needs a
+# compiler on the machine, measured 15 s of a tiny Qwen3-Next's first forward+backward (0.1 s without).
 UNCOMPILED_METHODS: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.attention.Attention", "_apply_output_gate"),
     ("megatron.core.ssm.gated_delta_net.GatedDeltaNet", "_prepare_input_for_gated_delta_rule"),
     ("megatron.core.ssm.gated_delta_net.GatedDeltaNet", "_compute_g_and_beta"),
     ("megatron.core.ssm.gated_delta_net.GatedDeltaNet", "_apply_gated_norm"),
 )
-PATCHED_SYMBOLS += UNCOMPILED_METHODS
+PATCHED_SYMBOLS += UNCOMPILED_METHODS + (("megatron.core.jit", "disable_jit_fuser"),)
 PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 
 REQUIRE_CUDA_ENV = "MEGATRON_RL_REQUIRE_CUDA"
@@ -175,7 +175,32 @@ def _patch_torch_cuda() -> None:
     cuda.random.get_rng_state = cuda.get_rng_state
 
 
+def _pass_through(model: Any = None, **options: Any) -> Any:
+    """`torch.compile` as megatron-core's import meets it on CPU: `@torch.compile` and
+    `torch.compile(**options)(fn)` both leave the function as it is."""
+    return (lambda fn: fn) if model is None else model
+
+
+def _import_megatron_uncompiled() -> None:
+    """Import megatron-core with its `jit_fuser` (`torch.compile`) a pass-through. Applying
+    torch.compile, even before any call, imports dynamo and inductor: 1.6 s of CPU in every process
+    that imports megatron-core (trainer, test worker, conversion rank; 2.5 s wall on two busy cores).
+    Its package __init__ imports most fused helpers before `megatron.core.jit` could be switched,
+    so torch.compile itself is swapped for the import, and megatron-core's own switch covers the
+    modules imported later (Gated DeltaNet). The real torch.compile is put back for everyone else."""
+    if "megatron.core" in sys.modules:
+        return   # unreachable on CPU: unpatched, its MoE ops fail to import (triton)
+    real = torch.compile
+    torch.compile = _pass_through
+    try:
+        jit: Any = importlib.import_module("megatron.core.jit")
+        jit.disable_jit_fuser()
+    finally:
+        torch.compile = real
+
+
 def _patch_megatron() -> None:
+    _import_megatron_uncompiled()
     rnd: Any = importlib.import_module("megatron.core.tensor_parallel.random")
     rnd._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     rnd._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
@@ -197,8 +222,6 @@ def _patch_megatron() -> None:
     norm = importlib.import_module("megatron.core.transformer.torch_norm")
     norm.WrappedTorchNorm.__new__ = _wrapped_norm_new
     _patch_gated_delta_net()
-    for target, attr in UNCOMPILED_METHODS:
-        _uncompile(target, attr)
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -221,18 +244,6 @@ def _patch_gated_delta_net() -> None:
     common.l2norm = l2norm
     gdn.chunk_gated_delta_rule = _fla_kernel_unavailable
     gdn.causal_conv1d = _fla_kernel_unavailable
-
-
-def _uncompile(target: str, attr: str) -> None:
-    """Put back the function `torch.compile` wrapped, on the class that defines it (a base class
-    may hold it, e.g. GatedDeltaNet's helpers live on _GDNBase)."""
-    module, cls_name = target.rsplit(".", 1)
-    cls = getattr(importlib.import_module(module), cls_name)
-    owner = next((c for c in cls.__mro__ if attr in vars(c)), None)
-    if owner is None:
-        return   # vanished upstream: check_patched_symbols (tests/unit/test_cpu_compat.py) reports it
-    fn = vars(owner)[attr]
-    setattr(owner, attr, getattr(fn, "_torchdynamo_orig_callable", fn))
 
 
 class LocalRMSNorm(torch.nn.Module):

@@ -27,6 +27,24 @@ def test_every_patched_symbol_exists_upstream() -> None:
     assert proc.stdout.strip().endswith("[]")
 
 
+def test_megatron_imports_without_compiling_and_torch_compile_is_given_back() -> None:
+    """megatron-core's `jit_fuser` methods stay plain functions on CPU (a compiled first call builds
+    C++ kernels), dynamo and inductor are never imported, and torch.compile is torch's again."""
+    code = ("import sys, inspect, importlib, torch; real = torch.compile\n"
+            "from megatron_rl.megatron import cpu_compat as c; assert c.apply()\n"
+            "import megatron.core.models.gpt, megatron.core.optimizer, megatron.core.jit as jit\n"
+            "for target, attr in c.UNCOMPILED_METHODS:\n"
+            "    module, cls = target.rsplit('.', 1)\n"
+            "    fn = inspect.getattr_static(getattr(importlib.import_module(module), cls), attr)\n"
+            "    assert inspect.isfunction(fn) and not hasattr(fn, '_torchdynamo_orig_callable'), (target, attr, fn)\n"
+            "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser\n"
+            "assert torch.compile is real\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))")
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_check_reports_a_vanished_symbol() -> None:
     code = ("from megatron_rl.megatron import cpu_compat as c; c.apply(); "
             "c.PATCHED_SYMBOLS = c.PATCHED_SYMBOLS + (('megatron.core.tensor_parallel.random', 'gone_fn'),"
