@@ -188,8 +188,6 @@ def _import_megatron_uncompiled() -> None:
     Its package __init__ imports most fused helpers before `megatron.core.jit` could be switched,
     so torch.compile itself is swapped for the import, and megatron-core's own switch covers the
     modules imported later (Gated DeltaNet). The real torch.compile is put back for everyone else."""
-    if "megatron.core" in sys.modules:
-        return   # unreachable on CPU: unpatched, its MoE ops fail to import (triton)
     real = torch.compile
     torch.compile = _pass_through
     try:
