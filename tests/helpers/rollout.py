@@ -52,10 +52,11 @@ def tiny_model_with_tokenizer(fields: dict, out: Path, seed: int = 0) -> Path:
     return model
 
 
-def start_server(model: Path, run_dir: Path, **overrides: object) -> RolloutServer:
+def start_server(model: Path, run_dir: Path, server_cls: type[RolloutServer] = RolloutServer,
+                 **overrides: object) -> RolloutServer:
     cfg = RolloutConfig(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=600,
                         max_retries=6, **overrides)
-    server = RolloutServer(str(model), run_dir, cfg, max_model_len=128)
+    server = server_cls(str(model), run_dir, cfg, max_model_len=128)
     try:
         server.start()
     except ServerExited as e:

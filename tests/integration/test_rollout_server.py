@@ -23,9 +23,19 @@ from megatron_rl.sync.shm import SharedSegmentTransport, ShmLink
 from tests.helpers.rollout import _hf_logprobs, _send, _server_diff, demo_assets, prompts, start_server
 
 
+class WorkerProcessServer(RolloutServer):
+    """A TP 1 server in vLLM's multiprocess layout (its rank in a worker process beside the engine,
+    as TP > 1 servers on CPU and multi-rank servers on GPU run): the layout whose shared-memory
+    queues and semaphores a stop or restart must remove. Our CPU TP 1 servers run in one engine
+    process instead (`RolloutServer.environment`), which maps none."""
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutServer]:
-    srv = start_server(demo_assets()["model"], tmp_path_factory.mktemp("run"))
+    srv = start_server(demo_assets()["model"], tmp_path_factory.mktemp("run"), WorkerProcessServer)
     yield srv
     own, tmp = _own_files(srv)
     srv.stop()

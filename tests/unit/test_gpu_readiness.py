@@ -48,6 +48,10 @@ def test_server_environment_drops_torchrun_variables_and_ignores_generation_conf
         tp2 = RolloutServer(str(tmp_path), tmp_path, RolloutConfig(tensor_parallel_size=2), 128, token="t")
         assert tp2.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,5"
         assert "VLLM_CPU_OMP_THREADS_BIND" not in env                       # TP 1: vLLM's default
+        # TP 1 runs its rank in the engine's process (no busy-polling worker beside it); TP 2
+        # needs vLLM's worker processes.
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in tp2.environment()
 
 def test_verification_statistics_and_dtype_bounds() -> None:
     from megatron_rl.sync import verify as v
