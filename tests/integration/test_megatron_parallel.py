@@ -48,7 +48,9 @@ def test_layouts_give_the_same_grpo_and_gspo_steps(tiny_moe: Path, tmp_path: Pat
 def test_checkpoint_saved_at_one_layout_loads_at_others(tiny_moe: Path, tmp_path: Path) -> None:
     out = tmp_path / "ckpt.json"
     torchrun("checkpoint_worker.py", str(tiny_moe), str(tmp_path / "ckpt"), str(out))
-    result = json.loads(out.read_text())
+    saved = json.loads(out.read_text())
+    assert saved["spawned_by_save"] == []       # megatron's write results kept in process, no manager
+    result = saved["layouts"]
     assert set(result) == {"tp1", "tp2_sp", "ep2", "pp2", "tp2_ep2_etp1"}
     for layout, got in result.items():
         assert got["max_logprob_diff"] <= 2e-6, layout          # identical weights, fp32 noise only

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+import psutil
 import torch
 
 torch.set_num_threads(1)
@@ -50,6 +51,8 @@ def main() -> None:
     actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=0)
     reference = logprobs(actor, batch)
     save_checkpoint(actor, ckpt, extra={"epoch": 3})
+    # The writer's results stayed in this process: no multiprocessing manager was spawned for them.
+    spawned = [p.cmdline() for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
     actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=1)
     after_step = logprobs(actor, batch)
     result = {}
@@ -68,7 +71,7 @@ def main() -> None:
             other.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=1)
             entry["logprob_diff_after_step"] = (logprobs(other, batch) - after_step).abs().max().item()
         result[name] = entry
-    finish(result, out)
+    finish({"layouts": result, "spawned_by_save": spawned}, out)
 
 
 if __name__ == "__main__":
