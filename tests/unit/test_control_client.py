@@ -95,3 +95,15 @@ def test_after_a_500_answer_the_next_request_opens_a_new_connection(server: Roll
         server.post("/fail", {})
     server.post("/resume", {})                                # not on the closed connection: a fresh one
     assert len(Recorder.peers) == 3 and Recorder.peers[0] == Recorder.peers[1] != Recorder.peers[2]
+
+
+def test_rollout_clients_share_one_tls_context_that_still_verifies_certificates() -> None:
+    import ssl
+
+    from megatron_rl.rollout.client import tls_context
+
+    ctx = tls_context()
+    assert tls_context() is ctx                                   # built once, not per client
+    # httpx's default, not a weaker one: certificates and host names are still checked.
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    assert ctx.cert_store_stats()["x509_ca"] > 0
