@@ -444,7 +444,7 @@ def _published_external(root: Path) -> list[PublishedServer]:
 
 
 def wait_for_servers(run_dir: Path, nodes: list[int], timeout_s: float,
-                     poll_s: float = 1.0) -> dict[int, dict[str, Any]]:
+                     poll_s: float = 0.25) -> dict[int, dict[str, Any]]:
     """The published server.json of each node in `nodes`; a PlacementError naming the missing ones
     (and any node's start-up error) when they do not all appear within `timeout_s`."""
     found: dict[int, dict[str, Any]] = {}
