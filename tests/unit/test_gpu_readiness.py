@@ -32,6 +32,7 @@ def test_server_environment_drops_torchrun_variables_and_ignores_generation_conf
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.server import RolloutServer
 
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)     # the server's own choice
     for k, v in {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "n1", "MASTER_PORT": "29500",
                  "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0", "KEEP_ME": "1"}.items():
         monkeypatch.setenv(k, v)
