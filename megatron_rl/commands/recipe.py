@@ -47,5 +47,6 @@ def run(args: argparse.Namespace) -> int:
     if cfg is None:
         return 1
     sys.stdout.write(dump_yaml(cfg))
+    sys.stdout.write(f"# in force: algorithm.correction.mode {cfg.correction_summary}\n")
     sys.stdout.write(schedule_comment(cfg))
     return 0

@@ -302,11 +302,12 @@ def _async_rollout(cfg: RecipeConfig, hf: HF) -> list[Finding]:
         return [Finding("error", "async-rollout", "rollout.sleep_level",
                         f"{r.sleep_level}: a sleeping server cannot generate the next steps while the trainer "
                         f"trains (rollout.max_staleness {r.max_staleness}); set sleep_level to null")]
-    if cfg.algorithm.correction.mode == "none":
+    # The default 'auto' is tis_token here, so a 'none' was written by someone: it runs, warned.
+    if cfg.correction_mode == "none":
         return [Finding("warning", "async-rollout", "algorithm.correction.mode",
                         f"'none' with rollout.max_staleness {r.max_staleness}: samples come from weights up to "
-                        f"{r.max_staleness} version(s) older than π_old, and nothing corrects for it (use "
-                        "'tis_token' or 'mask_token')")]
+                        f"{r.max_staleness} version(s) older than π_old, and nothing corrects for it; the tiny "
+                        "async GRPO collapsed in 4 steps so (leave it 'auto' = 'tis_token', or 'mask_token')")]
     return []
 
 

@@ -9,7 +9,7 @@ user reads the same rule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 
@@ -249,10 +249,18 @@ class ChordConfig:
     """How the expert tokens' NLL is aggregated (against the SFT stream's global denominators)."""
 
 
+CorrectionMode = Literal["none", "tis_token", "tis_seq", "mask_token", "mask_seq"]
+"""A mismatch correction that runs (`objectives/common.py::CORRECTIONS`)."""
+
+
 @dataclass(kw_only=True)
 class CorrectionConfig:
-    mode: Literal["none", "tis_token", "tis_seq", "mask_token", "mask_seq"] = "none"
-    """Rollout↔trainer mismatch correction: truncated IS weights or masking, per token or sequence."""
+    mode: Literal["auto", "none", "tis_token", "tis_seq", "mask_token", "mask_seq"] = "auto"
+    """Rollout↔trainer mismatch correction: truncated IS weights or masking, per token or sequence.
+    'auto' = 'tis_token' when samples can be stale (`rollout.max_staleness` >= 1: off-policy samples
+    without a correction collapsed the tiny async GRPO in four steps) and 'none' on-policy; 'none'
+    with staleness runs only when written (a lint warning). `RecipeConfig.correction_mode` is the
+    mode in force, which `recipe show` and the start-up summary print."""
     cap: float = spec(2.0, ge=1.0)
     """Truncation cap C of the importance weight π_old/π_rollout (tis_*)."""
     threshold: float = spec(2.0, ge=1.0)
@@ -260,6 +268,12 @@ class CorrectionConfig:
     seq_mean: bool = False
     """Sequence modes (*_seq): the sequence ratio is the product of the token ratios (False, the
     exact π_old(y)/π_rollout(y)) or their geometric mean (True; does not grow with length)."""
+
+    def in_force(self, max_staleness: int) -> CorrectionMode:
+        """The mode that runs: `mode`, with 'auto' resolved for `rollout.max_staleness`."""
+        if self.mode != "auto":
+            return self.mode
+        return "tis_token" if max_staleness >= 1 else "none"
 
 
 @dataclass(kw_only=True)
@@ -370,6 +384,39 @@ class RewardsConfig:
 
 
 @dataclass(kw_only=True)
+class HealthConfig:
+    """When a step's metrics say the run stopped learning (`train/health.py`). Each threshold is one
+    signal; a step with `min_signals` of them tripped is a collapsed step. The defaults never trip on
+    a healthy run of any shipped tiny recipe and trip on the tiny collapses (fixtures in
+    tests/unit/data/health/)."""
+
+    baseline_steps: int = spec(3, ge=1)
+    """The run's own start: reward, format rate and entropy are compared with their mean over its
+    first this many steps (a resumed run takes them from its metrics.jsonl)."""
+    reward_drop: float = spec(0.75, gt=0.0)
+    """`reward/mean` trips below start − reward_drop × |start| (0.75: a quarter of a positive start)."""
+    format_drop: float = spec(0.75, gt=0.0, le=1.0)
+    """The task's `format_rate` trips below (1 − format_drop) × its start (tasks without one: never)."""
+    flat_groups: float = spec(0.95, gt=0.0, le=1.0)
+    """`zero_variance_group_frac` trips at or above this while `reward/mean` is not above its start:
+    groups flat because nothing is right any more, not because everything is."""
+    grad_norm_min: float = spec(1e-3, ge=0.0)
+    """`grad_norm` trips below this while `reward/mean` is not above its start (no gradient left)."""
+    entropy_low: float = spec(0.05, ge=0.0)
+    """`entropy` trips below entropy_low × its start (the policy became deterministic)."""
+    entropy_high: float = spec(5.0, gt=1.0)
+    """`entropy` trips above entropy_high × its start (the policy became noise)."""
+    mismatch_max: float = spec(0.5, gt=0.0)
+    """`mismatch/abs_mean` (mean |log π_old − log π_rollout| per token, nats) trips above this: the
+    trained samples are no longer the policy's (stale, or a broken sync)."""
+    length_at_cap: float = spec(0.95, gt=0.0, le=1.0)
+    """`response_length/mean` trips at or above this × `rollout.max_response_length` (every answer
+    runs to the cap)."""
+    min_signals: int = spec(2, ge=1)
+    """Signals tripped at once that make a step collapsed; one alone is a warning."""
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     global_batch_size: int = spec(64, ge=1)
     """Samples (completions) per optimizer step over all DP ranks."""
@@ -415,6 +462,12 @@ class TrainerConfig:
     """Seed for data order, sampling and initialization."""
     max_bad_steps_in_row: int = spec(3, ge=1)
     """NaN/Inf losses or grads in a row that stop the run (single ones are skipped and reported)."""
+    stop_when_collapsed: int = spec(5, ge=0)
+    """Collapsed steps in a row (`health`) after which the run checkpoints and stops with one line
+    naming the signals and the step the collapse began, exit status 1 (a Slurm job is not requeued);
+    0 = never stop (the verdict is still logged as `health/*` and warned)."""
+    health: HealthConfig = spec(factory=HealthConfig)
+    """Thresholds of the per-step run health verdict."""
     collective_timeout_min: float = spec(120.0, gt=0.0)
     """Timeout of the trainer's collectives (minutes). Ranks wait for rank 0 while it starts the
     rollout server and generates; NCCL's default of 10 minutes is shorter than either can take."""
@@ -532,6 +585,29 @@ class RecipeConfig:
     """Slurm submission."""
     container: ContainerConfig = spec(factory=ContainerConfig)
     """Container image and runtime."""
+
+    @property
+    def correction_mode(self) -> CorrectionMode:
+        """The mismatch correction in force: `algorithm.correction.mode`, 'auto' resolved by
+        `rollout.max_staleness` (`CorrectionConfig.in_force`)."""
+        return self.algorithm.correction.in_force(self.rollout.max_staleness)
+
+    @property
+    def correction_summary(self) -> str:
+        """The correction in force and why, as `recipe show` and the start-up summary print it."""
+        mode, stale = self.correction_mode, self.rollout.max_staleness
+        if self.algorithm.correction.mode == "auto":
+            return f"{mode} (auto: " + (f"rollout.max_staleness {stale})" if stale else "on-policy)")
+        if mode == "none" and stale:
+            return f"none (written; rollout.max_staleness {stale}: nothing corrects the staleness)"
+        return mode
+
+    @property
+    def algorithm_in_force(self) -> AlgorithmConfig:
+        """`algorithm` with the correction in force written into it: what the objectives get (an
+        `AlgorithmConfig` alone knows no staleness, so there 'auto' is the on-policy 'none')."""
+        a = self.algorithm
+        return replace(a, correction=replace(a.correction, mode=self.correction_mode))
 
     @property
     def gpus_per_node(self) -> int:

@@ -249,11 +249,14 @@ def _mask_seq(delta: Tensor, mask: Tensor, c: CorrectionConfig) -> tuple[Tensor,
 
 
 def mismatch_correction(inputs: LossInputs, c: CorrectionConfig) -> tuple[Tensor | None, Metrics]:
-    """Detached per-token weights for the policy-gradient term (None = all ones)."""
-    correct = CORRECTIONS.get(c.mode)
+    """Detached per-token weights for the policy-gradient term (None = all ones). The trainer
+    passes the recipe's mode in force (`RecipeConfig.algorithm_in_force`); an 'auto' that reaches
+    here comes from an `AlgorithmConfig` without a recipe, which knows no staleness: on-policy."""
+    mode = c.in_force(0)
+    correct = CORRECTIONS.get(mode)
     if inputs.rollout_logprobs is None:
-        if c.mode != "none":
-            raise ValueError(f"correction mode {c.mode!r} needs rollout_logprobs")
+        if mode != "none":
+            raise ValueError(f"correction mode {mode!r} needs rollout_logprobs")
         return None, {}
     delta = log_ratio(inputs.old_logprobs.detach(), inputs.rollout_logprobs.detach(), LOG_RATIO_CLAMP)
     weights, metrics = correct(delta, inputs.mask, c)

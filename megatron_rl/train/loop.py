@@ -26,6 +26,7 @@ from .ahead import Rollouts, make_rollouts
 from .batch import ScoredRollout, build_batch, kl_penalty, probe, score_groups, with_advantages
 from .data import Prompts, TrainData, load_eval_set
 from .fleet import RolloutFleet, sync_metrics
+from .health import RunHealth
 from .metrics import console_line, open_metrics_log, startup_summary, step_metrics, timed
 from .policy import Policy, starting_checkpoint
 from .run import RunDir, Stop, StopSignals, agree_on_stop, init_process_group
@@ -47,6 +48,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
         data.load_state(resumed.extra)
     start, version = (resumed.step, resumed.version) if resumed else (0, 0)
     log = open_metrics_log(cfg, run.path, start)
+    health = RunHealth.of(cfg, run.path, start)
     signals = StopSignals().install()
     seq_len = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
     forced = probe(data.tokenizer, data.prompts.token_ids, seq_len, data.pad_id, task.task.probe_response)
@@ -80,14 +82,17 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             rollouts.published(version)
             metrics = learned.metrics(published, version)
             metrics.update({"data/epoch": learned.order["epoch"], "data/position": learned.order["position"]})
+            collapsed = health.check(step, metrics, fleet.rank0)     # + health/*; the stop line of a dead run
             if log is not None:
                 log.log(step, metrics)
             if fleet.rank0 and step % cfg.logging.log_interval == 0:
                 print(console_line(progress.line(step), metrics, cfg.rollout.max_staleness > 0), flush=True)
-            stop = agree_on_stop(signals.reason)
+            stop = agree_on_stop(signals.reason or collapsed)
             interval = cfg.checkpoint.save_interval
             if (interval and step % interval == 0) or stop or step == total:
                 run.save(policy.actor, init, step, version, rollouts.state())
+            if collapsed:       # exit status 1: a Slurm job is not requeued into more dead steps
+                raise Stop(f"{collapsed}; checkpointed step {step}")
             if stop:
                 print(f"[train] {stop}: checkpointed step {step}; resume with --resume", flush=True)
                 return run.path

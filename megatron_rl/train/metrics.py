@@ -24,6 +24,7 @@ from ..tasks import LoadedTask
 from ..types import TrainBatch
 from .batch import ScoredRollout
 from .fleet import RolloutFleet
+from .health import SIGNALS as HEALTH_SIGNALS
 from .policy import Policy
 
 CONSOLE_KEYS = (("reward/mean", "reward"), ("accuracy", "acc"), ("format_rate", "fmt"),
@@ -151,6 +152,9 @@ def console_line(progress: str, metrics: dict[str, float], asynchronous: bool = 
     for key, short in CONSOLE_KEYS + (ASYNC_CONSOLE_KEYS if asynchronous else ()):
         if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
             parts.append(f"{short} {metrics[key]:.3g}")
+    tripped = [name for name in HEALTH_SIGNALS if metrics.get(f"health/{name}")]
+    if tripped:         # `train/health.py`: which signals say the run may have stopped learning
+        parts.append(f"health {'COLLAPSED' if metrics.get('health/collapsed') else 'warn'}: {', '.join(tripped)}")
     return " | ".join(parts)
 
 
@@ -192,7 +196,8 @@ def startup_summary(cfg: RecipeConfig, task: LoadedTask, policy: Policy, fleet: 
         ("model", f"{arch}, {policy.hf.get('num_hidden_layers', '?')} layers, {dtype} ({policy.hf_dir})"),
         ("layout", f"{world} process(es): TP {p.tensor_model_parallel_size} · PP {p.pipeline_model_parallel_size}"
                    f" · EP {p.expert_model_parallel_size} · DP {dp}"),
-        ("algorithm", f"{cfg.algorithm.name}, {cfg.algorithm.steps_per_generation} update(s) per rollout"),
+        ("algorithm", f"{cfg.algorithm.name}, {cfg.algorithm.steps_per_generation} update(s) per rollout, "
+                      f"correction {cfg.correction_summary}"),
         ("task", f"{task.task.name}: {rewards}"),
         ("server", f"{servers} (weights verified: |Δ log-prob| mean {verified['sync/verify_mean_abs_diff']:.2g}, "
                    f"max {verified['sync/verify_max_abs_diff']:.2g})"),

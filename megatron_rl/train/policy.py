@@ -117,7 +117,7 @@ class Policy:
     def update(self, batch: TrainBatch, step: int, sft: SftRows | None) -> list[dict[str, float]]:
         """One optimizer step per minibatch (with `sft`, CHORD's next expert rows added to each);
         returns each step's metrics."""
-        a, r = self.cfg.algorithm, self.cfg.rollout
+        a, r = self.cfg.algorithm_in_force, self.cfg.rollout
         seq_len = r.max_prompt_length + r.max_response_length
         updates = []
         for i, mb in enumerate(minibatches(batch, a.steps_per_generation)):

@@ -13,8 +13,8 @@ from pathlib import Path
 from tests.helpers.train import SMALL, metrics, run_train
 
 ASYNC = ["rollout.max_staleness=1", "rollout.placement=disaggregated", "rollout.nodes=1",
-         "algorithm.correction.mode=tis_token", "trainer.max_steps=4", "checkpoint.save_interval=2",
-         "checkpoint.keep_last=3"]
+         "trainer.max_steps=4", "checkpoint.save_interval=2", "checkpoint.keep_last=3"]
+"""No `algorithm.correction.mode`: its default ('auto') is token-level TIS with staleness."""
 PROMPTS_PER_STEP = 4            # SMALL: a global batch of 16 samples, 4 per prompt
 
 
@@ -33,6 +33,8 @@ def test_async_run_stays_within_the_bound_and_resumes_its_steps_in_flight(tmp_pa
     assert [r["weight_version"] for r in rows] == [2, 3, 4, 5]           # as the synchronous loop's
     assert all(r["time/trainer_wait_s"] >= 0 and r["time/rollout_wait_s"] >= 0 for r in rows)
     assert all(r["sync/verify_max_abs_diff"] <= 1e-4 for r in rows)      # every sync still verified
+    # The default correction is in force: each update weighted the tokens by π_old/π_rollout.
+    assert all("train/token/is_weight_mean" in r and "train/token/tis_truncated_count" in r for r in rows)
 
     # Each step's prompts come next in the data order, as in a synchronous run: the producer's
     # draws for later steps do not show (the demo has 2,000 prompts: one epoch here).

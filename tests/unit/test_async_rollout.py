@@ -23,8 +23,7 @@ from megatron_rl.types import RolloutGroup, Sample
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "recipes" / "tiny" / "grpo.yaml")
-ASYNC = ["rollout.max_staleness=1", "rollout.placement=disaggregated", "rollout.nodes=1",
-         "algorithm.correction.mode=tis_token"]
+ASYNC = ["rollout.max_staleness=1", "rollout.placement=disaggregated", "rollout.nodes=1"]
 
 
 # ------------------------------------------------------------------ recipe validate
@@ -52,10 +51,24 @@ def test_validate_refuses_a_negative_bound_by_name(capsys: pytest.CaptureFixture
     assert "rollout.max_staleness" in out.err and "-1" in out.err, out.err
 
 
-def test_async_without_a_correction_is_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["recipe", "validate", TINY, *ASYNC[:3], "--no-check-paths"]) == 0
+def test_async_without_a_correction_runs_only_when_written_and_warned(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["recipe", "validate", TINY, *ASYNC, "algorithm.correction.mode=none", "--no-check-paths"]) == 0
     out = capsys.readouterr()
     assert "warning: [async-rollout] algorithm.correction.mode:" in out.out and "(0 errors, 1 warnings)" in out.out
+
+
+@pytest.mark.parametrize(("overrides", "in_force"), [
+    (ASYNC, "tis_token (auto: rollout.max_staleness 1)"),
+    ([], "none (auto: on-policy)"),
+    ([*ASYNC, "algorithm.correction.mode=none"], "none (written; rollout.max_staleness 1: nothing corrects"),
+    ([*ASYNC, "algorithm.correction.mode=mask_token"], "mask_token\n"),
+])
+def test_recipe_show_prints_the_correction_in_force(capsys: pytest.CaptureFixture[str], overrides: list[str],
+                                                    in_force: str) -> None:
+    assert main(["recipe", "show", TINY, *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "  correction:\n    mode: " in out          # the key itself stays as written (or 'auto')
+    assert f"# in force: algorithm.correction.mode {in_force}" in out, out[-600:]
 
 
 # ------------------------------------------------------------------ the bound

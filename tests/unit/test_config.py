@@ -184,6 +184,21 @@ def test_derived_values_are_properties_of_the_schema() -> None:
     assert dataclasses.replace(r, logprobs_mode="raw").logprobs_temperature == 1.0
 
 
+@pytest.mark.parametrize(("mode", "staleness", "in_force"), [
+    ("auto", 0, "none"), ("auto", 1, "tis_token"), ("auto", 3, "tis_token"),
+    ("none", 1, "none"), ("mask_token", 0, "mask_token"), ("tis_seq", 2, "tis_seq")])
+def test_the_correction_in_force_follows_the_staleness_unless_written(mode: str, staleness: int,
+                                                                      in_force: str) -> None:
+    cfg = schema.RecipeConfig(rollout=schema.RolloutConfig(max_staleness=staleness),
+                              algorithm=schema.AlgorithmConfig(correction=schema.CorrectionConfig(mode=mode)))
+    assert schema.CorrectionConfig().mode == "auto"
+    assert cfg.correction_mode == in_force
+    # What the objectives get: the mode in force, everything else of `algorithm` as it was.
+    run = cfg.algorithm_in_force
+    assert run.correction.mode == in_force and cfg.algorithm.correction.mode == mode
+    assert dataclasses.replace(run, correction=cfg.algorithm.correction) == cfg.algorithm
+
+
 def test_config_sections_take_keywords_only() -> None:
     for cls in _dataclasses_of(schema):
         assert all(f.kw_only for f in dataclasses.fields(cls)), cls.__name__

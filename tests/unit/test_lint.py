@@ -357,7 +357,10 @@ def test_async_rollout_needs_servers_of_their_own_and_a_correction() -> None:
     assert msg.startswith("error|rollout.max_staleness|1 makes the servers generate") and "'colocated'" in msg
     (msg,) = findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated, "rollout.sleep_level=0")["async-rollout"]
     assert msg.startswith("error|rollout.sleep_level|0: a sleeping server")
-    (msg,) = findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated)["async-rollout"]
+    # The default ('auto') corrects stale samples; only a written 'none' runs without, warned.
+    assert "async-rollout" not in findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated)
+    (msg,) = findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated,
+                      "algorithm.correction.mode=none")["async-rollout"]
     assert msg.startswith("warning|algorithm.correction.mode|'none'")
     assert "async-rollout" not in findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated,
                                            "algorithm.correction.mode=tis_token")

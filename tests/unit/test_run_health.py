@@ -1,0 +1,158 @@
+"""Run health (`train/health.py`): each signal trips at its threshold and not before; the verdict
+over steps (the run's own start, warnings once, the stop after `trainer.stop_when_collapsed`
+collapsed steps in a row, a resumed run's start and streak); and the defaults on real runs: no
+signal on a healthy run of any shipped tiny recipe, a stop within a few steps of a collapse.
+
+The real runs are tests/fixtures/health/*.jsonl (how they were made: the README there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_rl.config import load_recipe
+from megatron_rl.config.schema import HealthConfig
+from megatron_rl.train.health import SIGNALS, RunHealth, baseline, read_rows, signals, verdict
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny"
+FIXTURES = REPO / "tests" / "fixtures" / "health"
+H = HealthConfig()
+CAP = 16
+START = {"reward/mean": 0.4, "format_rate": 0.96, "entropy": 0.2}
+HEALTHY = {"reward/mean": 0.45, "format_rate": 0.97, "zero_variance_group_frac": 0.25, "grad_norm": 0.5,
+           "entropy": 0.18, "mismatch/abs_mean": 1.5e-7, "response_length/mean": 8.0}
+
+
+def tripped(**changes: float) -> set[str]:
+    return set(signals({**HEALTHY, **changes}, START, H, CAP))
+
+
+# ------------------------------------------------------------------------ one step's signals
+def test_a_healthy_step_trips_nothing_and_a_dead_one_everything() -> None:
+    assert tripped() == set()
+    dead = {"reward/mean": 0.0, "format_rate": 0.0, "zero_variance_group_frac": 1.0, "grad_norm": 0.0,
+            "entropy": 1.5, "mismatch/abs_mean": 0.8, "response_length/mean": 16.0}
+    assert tripped(**dead) == set(SIGNALS)
+
+
+@pytest.mark.parametrize(("key", "safe", "trips", "signal"), [
+    ("reward/mean", 0.1, 0.099, "reward"),                      # 0.4 − 0.75 × 0.4
+    ("format_rate", 0.24, 0.2399, "format_rate"),               # 0.25 × 0.96
+    ("zero_variance_group_frac", 0.949, 0.95, "flat_groups"),
+    ("grad_norm", 1e-3, 0.00099, "grad_norm"),
+    ("entropy", 0.0101, 0.0099, "entropy"),                     # 0.05 × 0.2
+    ("entropy", 1.0, 1.001, "entropy"),                         # 5 × 0.2
+    ("mismatch/abs_mean", 0.5, 0.501, "mismatch"),
+    ("response_length/mean", 15.19, 15.2, "length_at_cap"),      # 0.95 × 16
+])
+def test_each_signal_trips_at_its_threshold(key: str, safe: float, trips: float, signal: str) -> None:
+    changes: dict[str, float] = {key: safe}
+    if signal in ("flat_groups", "grad_norm"):
+        changes["reward/mean"] = 0.4        # not above the start
+    assert tripped(**changes) == set()
+    assert tripped(**{**changes, key: trips}) == {signal}
+
+
+def test_flat_groups_and_no_gradient_of_a_run_that_got_better_are_not_a_collapse() -> None:
+    solved = {"zero_variance_group_frac": 1.0, "grad_norm": 0.0}
+    assert tripped(**solved, **{"reward/mean": 0.41}) == set()
+    assert tripped(**solved, **{"reward/mean": 0.4}) == {"flat_groups", "grad_norm"}
+
+
+def test_a_negative_start_and_missing_or_non_finite_metrics() -> None:
+    start = {**START, "reward/mean": -0.5}
+    assert set(signals({**HEALTHY, "reward/mean": -0.87}, start, H, CAP)) == set()
+    assert set(signals({**HEALTHY, "reward/mean": -0.88}, start, H, CAP)) == {"reward"}
+    # A task without a format rate, a skipped update's NaN gradient: those signals stay quiet.
+    no_format = {k: v for k, v in HEALTHY.items() if k != "format_rate"}
+    assert set(signals({**no_format, "grad_norm": float("nan"), "reward/mean": 0.0}, START, H, CAP)) == {"reward"}
+    # While the start is still forming, only the absolute bounds apply.
+    assert set(signals({**HEALTHY, "reward/mean": 0.0, "response_length/mean": 16.0}, {}, H, CAP)) == {"length_at_cap"}
+
+
+def test_the_start_is_the_mean_of_the_first_steps() -> None:
+    rows = [{"reward/mean": 0.3, "format_rate": 0.9, "entropy": None}, {"reward/mean": 0.5, "format_rate": 1.0}]
+    assert baseline(rows) == pytest.approx({"reward/mean": 0.4, "format_rate": 0.95})
+
+
+# ------------------------------------------------------------------------ the verdict over steps
+def monitor(stop_after: int = 3, **health: Any) -> RunHealth:
+    return RunHealth(dataclasses.replace(H, baseline_steps=2, **health), stop_after, CAP)
+
+
+DEAD = {**HEALTHY, "reward/mean": 0.0, "format_rate": 0.0, "response_length/mean": 16.0}
+
+
+def test_warned_once_per_signal_stopped_after_the_streak_naming_signals_and_start(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    h = monitor()
+    lines = [h.check(step, dict(m)) for step, m in enumerate([HEALTHY, HEALTHY], start=1)]
+    assert lines == [None, None] and capsys.readouterr().out == ""
+    m = {**HEALTHY, "response_length/mean": 16.0}                  # one signal: a warning only
+    assert h.check(3, m) is None
+    assert (m["health/ok"], m["health/signals"], m["health/collapsed"], m["health/length_at_cap"]) == (0, 1, 0, 1)
+    assert "[health] warning at step 3: mean response length 16 at the cap (16)" in capsys.readouterr().out
+    assert h.check(4, dict(DEAD)) is None
+    out = capsys.readouterr().out
+    assert "warning at step 4: reward 0 vs" in out and "format rate 0 vs" in out and "length" not in out
+    assert h.check(5, dict(DEAD)) is None and capsys.readouterr().out == ""      # nothing new to say
+    m = dict(DEAD)
+    line = h.check(6, m)
+    assert m["health/collapsed_steps"] == 3 and m["health/collapsed"] == 1
+    assert line is not None and line.startswith("the run collapsed at step 4: reward, format_rate, length_at_cap "
+                                                "tripped on 3 steps in a row (trainer.stop_when_collapsed 3)")
+    assert "at step 6: reward 0 vs 0.45" in line
+
+
+def test_a_healthy_step_resets_the_streak_and_zero_never_stops() -> None:
+    h = monitor()
+    for step, m in enumerate([HEALTHY, HEALTHY, DEAD, DEAD, HEALTHY, DEAD, DEAD], start=1):
+        assert h.check(step, dict(m)) is None
+    assert (h.streak, h.streak_start) == (2, 6)
+    never = monitor(stop_after=0)
+    assert all(never.check(step, dict(HEALTHY if step <= 2 else DEAD)) is None for step in range(1, 30))
+    assert never.streak == 27
+
+
+def test_min_signals_decides_what_a_collapsed_step_is() -> None:
+    h = monitor(stop_after=1, min_signals=4)
+    assert h.check(1, dict(HEALTHY)) is None and h.check(2, dict(HEALTHY)) is None
+    assert h.check(3, dict(DEAD)) is None                           # 3 signals < 4
+    assert h.check(4, {**DEAD, "mismatch/abs_mean": 0.9}) is not None
+
+
+def test_a_resumed_run_keeps_its_start_and_streak(tmp_path: Path) -> None:
+    straight = monitor()
+    rows = []
+    for step, m in enumerate([HEALTHY, HEALTHY, DEAD, DEAD], start=1):
+        m = dict(m)
+        straight.check(step, m)
+        rows.append({"step": step, **m})
+    path = tmp_path / "metrics.jsonl"
+    # Rows of steps after the checkpoint (5) and a torn last line are what a kill leaves.
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + json.dumps({"step": 5, **DEAD}) + "\n{\"ste")
+    assert [r["step"] for r in read_rows(path, 4)] == [1, 2, 3, 4] and read_rows(path, 0) == []
+    cfg = load_recipe(TINY / "grpo.yaml", ["trainer.stop_when_collapsed=3", "trainer.health.baseline_steps=2",
+                                           "rollout.max_response_length=16"])
+    resumed = RunHealth.of(cfg, tmp_path, 4)
+    assert (resumed.start, resumed.streak, resumed.streak_start) == (straight.start, 2, 3)
+    line = resumed.check(5, dict(DEAD))
+    assert line is not None and line.startswith("the run collapsed at step 3:")
+    assert RunHealth.of(cfg, tmp_path / "fresh", 0).history == []
+
+
+def test_the_verdict_of_a_finished_run() -> None:
+    h = monitor(stop_after=0)
+    rows = []
+    for step, m in enumerate([HEALTHY, HEALTHY, DEAD, HEALTHY, DEAD, DEAD], start=1):
+        m = dict(m)
+        h.check(step, m)
+        rows.append({"step": step, **m})
+    assert verdict(rows) == {"collapsed": True, "first_collapsed_step": 3, "collapsed_steps_in_a_row": 2,
+                             "signals": ["format_rate", "length_at_cap", "reward"]}
+    assert verdict(rows[:2])["collapsed"] is False
