@@ -29,7 +29,12 @@ How to read the JSON:
 - `*_reward_first10` / `*_reward_last10`: mean of `reward/mean` over steps 1-10 and the last 10
   logged steps. `reward_noise` = the sync run's standard error over its last 10 steps (sample std
   / √n); `end_reward_within_noise`: |async_last10 − sync_last10| ≤ 2 × √(se_sync² + se_async²)
-  (`end_reward_diff`, `end_reward_combined_se`). `goal_met` = speedup ≥ 1.3 and within noise.
+  (`end_reward_diff`, `end_reward_combined_se`). `goal_met` = speedup ≥ 1.3 and within noise and
+  both runs healthy; `goal_reason` says which part failed (null when met).
+- Health (`train/health.py`): `modes.<mode>.health` is the run's verdict from its `health/*`
+  metrics (`collapsed`, the first collapsed step, the longest streak, the signals) and
+  `health_stop`, the trainer's stop line when it stopped itself. A collapsed side is never a
+  result: a dead model generating to the length cap is not a speed (`sync_healthy`, `async_healthy`).
 - Async health: `staleness_mean` (mean over steps of `rollout/staleness_mean`), `staleness_max`
   (max of `rollout/staleness_max`), `dropped_stale` (sum of `rollout/dropped_stale`).
 - Waits, means per step: `*_trainer_wait_s` (`time/trainer_wait_s`, the trainer waited for
@@ -38,8 +43,9 @@ How to read the JSON:
 - `png`: both reward curves (per step, faint, and a 10-step rolling mean) in one figure.
 - `modes.<mode>`: each run's own record: exit codes, steps logged, start-up and wall times, log
   files, overrides, whether anything of its server was left running.
-Exit code 1 when a run failed or logged fewer steps than asked, 130 when interrupted; a missed goal
-is a result (exit 0). Each server start costs 25-60 s on the shared 2-core VM, by load.
+Exit code 1 when a run failed or logged fewer steps than asked (but for a stop by its health), 130
+when interrupted; a missed goal is a result (exit 0). Each server start costs 25-60 s on the shared
+2-core VM, by load.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_rl.rollout.affinity import format_cpu_list, parse_cpu_list  # noqa: E402  (stdlib only)
 from megatron_rl.rollout.shm import wait_group_gone  # noqa: E402  (stdlib only)
+from megatron_rl.train.health import verdict  # noqa: E402  (stdlib and yaml only)
 
 SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 """rollout/server.py `EXTERNAL_SERVERS_ENV` (not imported: that module imports torch; a unit test
@@ -117,7 +124,29 @@ def mode_stats(rows: list[dict[str, Any]], arrivals: dict[int, float]) -> dict[s
         "dropped_stale": sum(dropped) if dropped else None,
         "trainer_wait_s": _mean(_column(rows, TRAINER_WAIT)),
         "rollout_wait_s": _mean(_column(rows, ROLLOUT_WAIT)),
+        "health": verdict(rows),
     }
+
+
+def healthy(m: dict[str, Any]) -> bool | None:
+    """Whether a mode's run stayed healthy: no collapsed step, no stop line (None: it did not run)."""
+    if "health" not in m:
+        return None
+    return not m["health"]["collapsed"] and not m.get("health_stop")
+
+
+def goal(speedup: float | None, within: bool | None, health: dict[str, bool | None],
+         stops: dict[str, str | None]) -> tuple[bool | None, str | None]:
+    """`goal_met` and, when it is not met, why: a collapsed side first, then speed and reward."""
+    reasons = [f"{mode} run collapsed" + (f" ({stops[mode]})" if stops.get(mode) else "")
+               for mode, ok in health.items() if ok is False]
+    if reasons:
+        return False, "; ".join(reasons)
+    if speedup is None or within is None:
+        return None, "a mode did not run or logged too few steps to measure"
+    reasons = ([f"speedup {speedup:.2f} < {GOAL_SPEEDUP}"] if speedup < GOAL_SPEEDUP else []) + \
+        ([] if within else ["async end reward not within noise of the sync one"])
+    return not reasons, "; ".join(reasons) or None
 
 
 def summarize(stats: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
@@ -143,8 +172,11 @@ def summarize(stats: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
     for mode, m in (("sync", s), ("async", a)):
         out[f"{mode}_trainer_wait_s"] = m.get("trainer_wait_s")
         out[f"{mode}_rollout_wait_s"] = m.get("rollout_wait_s")
+    health = {mode: healthy(m) for mode, m in (("sync", s), ("async", a))}
+    out.update({f"{mode}_healthy": ok for mode, ok in health.items()})
     out["goal_speedup"] = GOAL_SPEEDUP
-    out["goal_met"] = None if speedup is None or within is None else bool(speedup >= GOAL_SPEEDUP and within)
+    out["goal_met"], out["goal_reason"] = goal(speedup, within, health,
+                                               {"sync": s.get("health_stop"), "async": a.get("health_stop")})
     return out
 
 
@@ -301,6 +333,12 @@ def follow_trainer(proc: subprocess.Popen, follower: MetricsFollower, timeout_s:
         time.sleep(POLL_S)
 
 
+def health_stop(log: str) -> str | None:
+    """The trainer's stop line when its run health stopped it (`train/health.py`, exit status 1)."""
+    lines = [line for line in log.splitlines() if line.startswith("error: the run collapsed at step")]
+    return lines[-1].removeprefix("error: ") if lines else None
+
+
 def run_mode(args: argparse.Namespace, mode: str, base: Path, rec: dict[str, Any]) -> None:
     """One mode, recorded into `rec` as it goes (so an interrupted mode still reports): a fresh
     pinned server, the pinned trainer attached to it, both stopped at the end whatever happens."""
@@ -335,7 +373,8 @@ def run_mode(args: argparse.Namespace, mode: str, base: Path, rec: dict[str, Any
         rec["exit_code"] = proc.returncode
         log = Path(rec["trainer_log"]).read_text(errors="replace")
         rec["attached_external_server"] = "using 1 external server(s)" in log      # train/fleet.py's line
-        if proc.returncode != 0:
+        rec["health_stop"] = health_stop(log)
+        if proc.returncode != 0 and not rec["health_stop"]:
             rec["error"] = f"trainer exited with code {proc.returncode}; see {rec['trainer_log']}"
     except Exception as exc:            # recorded; the next mode still runs
         rec["error"] = f"{type(exc).__name__}: {exc}"
@@ -411,9 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     emit(out, started, args.json_out)
     if interrupted:
         return 130
+    # A run its health stopped logged fewer steps: a result (goal_met false, the reason), not a failure.
     failed = [m for m, r in records.items()
-              if r.get("error") or r.get("steps_logged", 0) < args.steps or r.get("server_left_running")
-              or r.get("attached_external_server") is False]
+              if r.get("error") or (r.get("steps_logged", 0) < args.steps and not r.get("health_stop"))
+              or r.get("server_left_running") or r.get("attached_external_server") is False]
     return 1 if failed else 0
 
 

@@ -392,7 +392,8 @@ class HealthConfig:
 
     baseline_steps: int = spec(3, ge=1)
     """The run's own start: reward, format rate and entropy are compared with their mean over its
-    first this many steps (a resumed run takes them from its metrics.jsonl)."""
+    first this many steps (fewer before then: step 2 with step 1's; a resumed run takes them from
+    its metrics.jsonl)."""
     reward_drop: float = spec(0.75, gt=0.0)
     """`reward/mean` trips below start − reward_drop × |start| (0.75: a quarter of a positive start)."""
     format_drop: float = spec(0.75, gt=0.0, le=1.0)

@@ -252,7 +252,7 @@ def mismatch_correction(inputs: LossInputs, c: CorrectionConfig) -> tuple[Tensor
     """Detached per-token weights for the policy-gradient term (None = all ones). The trainer
     passes the recipe's mode in force (`RecipeConfig.algorithm_in_force`); an 'auto' that reaches
     here comes from an `AlgorithmConfig` without a recipe, which knows no staleness: on-policy."""
-    mode = c.in_force(0)
+    mode = "none" if c.mode == "auto" else c.mode
     correct = CORRECTIONS.get(mode)
     if inputs.rollout_logprobs is None:
         if mode != "none":

@@ -4,7 +4,8 @@ A run can collapse without a NaN: the tiny async GRPO without an importance corr
 reward 0.38 to 0 in four steps (format rate 0, every group flat, gradient norm 0, every answer at
 the length cap) and trained 75 dead steps to exit 0. Each signal below compares one step metric
 with the run's own start (the mean of its first `trainer.health.baseline_steps` steps) or with an
-absolute bound, all thresholds in `HealthConfig`:
+absolute bound (the start of step s: the steps before it, up to that many, collapsed ones left
+out), all thresholds in `HealthConfig`:
 
 | signal | trips when |
 |---|---|
@@ -63,7 +64,7 @@ def baseline(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
 def signals(metrics: Mapping[str, Any], start: Mapping[str, float], h: HealthConfig,
             max_response_length: int) -> dict[str, str]:
     """Signal → reason, for every signal that trips on this step's `metrics`; `start` is the
-    run's `baseline` (empty while it is still forming: only the absolute signals apply)."""
+    run's `baseline` (empty on its first step: only the absolute signals apply)."""
     v = {k: _value(metrics, k) for k in (REWARD, FORMAT, FLAT, GRAD_NORM, ENTROPY, MISMATCH, LENGTH)}
     reward, fmt, flat, grad, ent, mismatch, length = v.values()
     r0, f0, e0 = start.get(REWARD), start.get(FORMAT), start.get(ENTROPY)
@@ -95,7 +96,7 @@ class RunHealth:
     """`trainer.stop_when_collapsed` (0 = never)."""
     max_response_length: int
     history: list[dict[str, Any]] = field(default_factory=list)
-    """The first `baseline_steps` steps' metrics (the start, once complete)."""
+    """The first `baseline_steps` steps' metrics that were not collapsed: the start."""
     streak: int = 0
     streak_start: int | None = None
     warned: set[str] = field(default_factory=set)
@@ -106,14 +107,17 @@ class RunHealth:
         metrics.jsonl holds up to there."""
         out = cls(cfg.trainer.health, cfg.trainer.stop_when_collapsed, cfg.rollout.max_response_length)
         for row in read_rows(run_dir / "metrics.jsonl", start):
-            out._remember(int(row["step"]), row)
+            if not _value(row, PREFIX + "collapsed"):
+                out._remember(int(row["step"]), row)
             out.streak = int(_value(row, PREFIX + "collapsed_steps") or 0)
             out.streak_start = int(row["step"]) - out.streak + 1 if out.streak else None
         return out
 
     @property
     def start(self) -> dict[str, float]:
-        return baseline(self.history) if len(self.history) >= self.health.baseline_steps else {}
+        """The run's start as far as it is known: the steps before this one, up to `baseline_steps`
+        (a collapse in the second step is one: the tiny GRPO at 20× its learning rate)."""
+        return baseline(self.history)
 
     def _remember(self, step: int, metrics: Mapping[str, Any]) -> None:
         if len(self.history) < self.health.baseline_steps:
@@ -124,8 +128,9 @@ class RunHealth:
         trips for the first time, and returns the stop line once `stop_after` collapsed steps came
         in a row (else None)."""
         tripped = signals(metrics, self.start, self.health, self.max_response_length)
-        self._remember(step, metrics)
         collapsed = len(tripped) >= self.health.min_signals
+        if not collapsed:       # a dead step is not the start the run is measured against
+            self._remember(step, metrics)
         self.streak = self.streak + 1 if collapsed else 0
         self.streak_start = (self.streak_start or step) if collapsed else None
         metrics.update({PREFIX + "ok": float(not tripped), PREFIX + "signals": float(len(tripped)),

@@ -74,6 +74,27 @@ def test_goal_met_needs_the_speedup_and_an_end_reward_within_noise() -> None:
     assert worse["end_reward_within_noise"] is False and worse["goal_met"] is False
 
 
+def test_a_collapsed_side_is_never_a_result_and_says_why() -> None:
+    same = [0.61, 0.6, 0.59, 0.6, 0.6] * 4
+    stats = _pair(same, async_every=1.0)
+    assert async_bench.summarize(stats, steps=20)["goal_met"] is True
+    stats["async"]["health"] = {**stats["async"]["health"], "collapsed": True}
+    stats["async"]["health_stop"] = "the run collapsed at step 5: reward, grad_norm tripped"
+    out = async_bench.summarize(stats, steps=20)
+    assert (out["goal_met"], out["sync_healthy"], out["async_healthy"]) == (False, True, False)
+    assert out["goal_reason"] == "async run collapsed (the run collapsed at step 5: reward, grad_norm tripped)"
+    # From the rows alone: a collapsed step logged by the trainer's health is enough.
+    rows = _rows(same, **{"health/collapsed": 0.0})
+    rows[4].update({"health/collapsed": 1.0, "health/collapsed_steps": 1.0, "health/reward": 1.0})
+    stats["sync"] = async_bench.mode_stats(rows, _arrivals(20, 0.0, 2.0))
+    assert stats["sync"]["health"] == {"collapsed": True, "first_collapsed_step": 5, "collapsed_steps_in_a_row": 1,
+                                       "signals": ["reward"]}
+    assert async_bench.summarize(stats, steps=20)["goal_reason"].startswith("sync run collapsed; async run collapsed")
+    assert async_bench.health_stop("x\nerror: the run collapsed at step 3: a; checkpointed step 7\n") == \
+        "the run collapsed at step 3: a; checkpointed step 7"
+    assert async_bench.health_stop("error: trainer died") is None
+
+
 def test_one_mode_alone_gives_nulls_not_a_verdict() -> None:
     stats = {"sync": async_bench.mode_stats(_rows([0.5, 0.6, 0.7]), _arrivals(3, 0.0, 1.0))}
     out = async_bench.summarize(stats, steps=3)

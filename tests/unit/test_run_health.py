@@ -71,13 +71,24 @@ def test_a_negative_start_and_missing_or_non_finite_metrics() -> None:
     # A task without a format rate, a skipped update's NaN gradient: those signals stay quiet.
     no_format = {k: v for k, v in HEALTHY.items() if k != "format_rate"}
     assert set(signals({**no_format, "grad_norm": float("nan"), "reward/mean": 0.0}, START, H, CAP)) == {"reward"}
-    # While the start is still forming, only the absolute bounds apply.
+    # On the first step there is no start yet: only the absolute bounds apply.
     assert set(signals({**HEALTHY, "reward/mean": 0.0, "response_length/mean": 16.0}, {}, H, CAP)) == {"length_at_cap"}
 
 
 def test_the_start_is_the_mean_of_the_first_steps() -> None:
     rows = [{"reward/mean": 0.3, "format_rate": 0.9, "entropy": None}, {"reward/mean": 0.5, "format_rate": 1.0}]
     assert baseline(rows) == pytest.approx({"reward/mean": 0.4, "format_rate": 0.95})
+
+
+def test_the_start_is_the_steps_before_up_to_baseline_steps_so_step_2_can_collapse() -> None:
+    h = RunHealth(dataclasses.replace(H, baseline_steps=3), 5, CAP)
+    h.check(1, {**HEALTHY, "reward/mean": 0.3})
+    m = {**HEALTHY, "reward/mean": 0.0, "format_rate": 0.0}
+    h.check(2, m)                                        # against step 1 alone
+    assert (m["health/reward"], m["health/format_rate"], m["health/collapsed"]) == (1, 1, 1)
+    for step in (3, 4, 5):
+        h.check(step, {**HEALTHY, "reward/mean": 0.6})
+    assert h.start["reward/mean"] == pytest.approx(0.5)   # steps 1, 3, 4; the collapsed step 2 is no start
 
 
 # ------------------------------------------------------------------------ the verdict over steps
@@ -156,3 +167,40 @@ def test_the_verdict_of_a_finished_run() -> None:
     assert verdict(rows) == {"collapsed": True, "first_collapsed_step": 3, "collapsed_steps_in_a_row": 2,
                              "signals": ["format_rate", "length_at_cap", "reward"]}
     assert verdict(rows[:2])["collapsed"] is False
+
+
+# ------------------------------------------------------------------------ real runs
+def replay(name: str, recipe: str, *overrides: str) -> tuple[list[dict[str, Any]], str | None]:
+    """A fixture's rows through the health of `recipe` (its own thresholds and length cap), as the
+    loop checks them: the rows with their `health/*` and the stop line (None: the run went on)."""
+    health = RunHealth.of(load_recipe(TINY / recipe, list(overrides)), FIXTURES / "none", 0)
+    rows = [json.loads(line) for line in (FIXTURES / f"{name}.jsonl").read_text().splitlines()]
+    for row in rows:
+        line = health.check(row["step"], row, rank0=False)
+        if line is not None:
+            return rows[:rows.index(row) + 1], line
+    return rows, None
+
+
+@pytest.mark.parametrize(("name", "recipe", "steps"), [
+    ("tiny_grpo", "grpo.yaml", 80), ("tiny_gspo", "gspo.yaml", 40), ("tiny_chord", "chord.yaml", 80),
+    ("tiny_grpo_lora", "grpo_lora.yaml", 80)])
+def test_no_signal_trips_on_a_healthy_run_of_a_shipped_tiny_recipe(name: str, recipe: str, steps: int) -> None:
+    # Each run is the recipe's own, all of its `trainer.max_steps` (the fixtures' README).
+    assert load_recipe(TINY / recipe).trainer.max_steps == steps
+    rows, line = replay(name, recipe)
+    assert line is None and len(rows) == steps
+    noisy = {(r["step"], s) for r in rows for s in SIGNALS if r[f"health/{s}"]}
+    assert noisy == set(), noisy
+
+
+def test_the_tiny_grpo_at_20x_its_learning_rate_is_stopped_within_the_streak_of_its_collapse() -> None:
+    # `megatron-rl train recipes/tiny/grpo.yaml trainer.lr=2e-2`: dead from step 2 (reward 0, format 0,
+    # every group flat, grad norm 0, entropy 23× its start, the length cap).
+    rows, line = replay("tiny_grpo_lr20x", "grpo.yaml")
+    stop_after = load_recipe(TINY / "grpo.yaml").trainer.stop_when_collapsed
+    assert stop_after == 5
+    assert [r["health/collapsed"] for r in rows] == [0] + [1] * stop_after
+    assert line is not None and line.startswith(
+        "the run collapsed at step 2: reward, format_rate, flat_groups, grad_norm, entropy, length_at_cap tripped on 5 "
+        "steps in a row")
