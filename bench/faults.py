@@ -22,7 +22,9 @@ call). /init_weight_transfer_engine is called once per server process, so its ki
 server killed earlier in the same step is being brought back.
 
 The run fails (exit 1, `never_reached` / `not_met` in the JSON) when a planned injection point was
-never reached, or a kill was never noticed (no server restart followed it). Each server restart
+never reached, or a kill was never noticed (no server restart followed it), and when the trained
+run collapsed (`health`: its verdict from the `health/*` metrics, `train/health.py`): surviving
+faults with a dead model is no result. Each server restart
 costs 30-60 s on a loaded 2-core VM, so a run takes ~20-30 minutes.
 """
 
@@ -278,6 +280,7 @@ def watch(proc: subprocess.Popen, run: Path, seen_bad: set[str], kill_at_step: i
 
 def driver(args: argparse.Namespace) -> dict[str, Any]:
     from bench._report import emit
+    from megatron_rl.train.health import verdict  # stdlib and yaml only
 
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -315,6 +318,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         "restarts_logged": sum(log.count("[rollout] server down") for log in logs),
         "restarts_failed_and_retried": sum(log.count("[rollout] restart failed") for log in logs),
         "restarts_verified_numerically": sum(log.count("verified: max |Δ log-prob|") for log in logs),
+        "health": verdict(rows),
         "non_loopback_listeners": sorted(bad),
         "shm_left": shm_left(shm_after - shm_before),
         "tmp_left": tmp_left(set(os.listdir(tempfile.gettempdir())) - tmp_before),
@@ -366,11 +370,11 @@ def shm_left(new: set[str]) -> list[str]:
 
 
 def async_overrides(max_staleness: int) -> list[str]:
-    """The recipe keys of the asynchronous run (none for the synchronous one)."""
+    """The recipe keys of the asynchronous run (none for the synchronous one); the correction is the
+    default's, token-level TIS with staleness."""
     if not max_staleness:
         return []
-    return [f"rollout.max_staleness={max_staleness}", "rollout.placement=disaggregated", "rollout.nodes=1",
-            "algorithm.correction.mode=tis_token"]
+    return [f"rollout.max_staleness={max_staleness}", "rollout.placement=disaggregated", "rollout.nodes=1"]
 
 
 def tmp_left(new: set[str]) -> list[str]:
@@ -410,7 +414,7 @@ def main() -> None:
         if result[key]:
             print(f"FAULT INJECTION BROKEN: {key}: {result[key]}", file=sys.stderr)
     ok = result["survived"] == result["injected"] and not result["steps_lost"] and not result["steps_duplicated"] \
-        and not result["never_reached"] and not result["not_met"]
+        and not result["never_reached"] and not result["not_met"] and not result["health"]["collapsed"]
     sys.exit(0 if ok else 1)
 
 

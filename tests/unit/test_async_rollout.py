@@ -71,6 +71,15 @@ def test_recipe_show_prints_the_correction_in_force(capsys: pytest.CaptureFixtur
     assert f"# in force: algorithm.correction.mode {in_force}" in out, out[-600:]
 
 
+def test_the_shipped_async_recipe_trains_with_token_tis_in_force(capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = str(REPO / "recipes" / "qwen3_235b_a22b" / "grpo_async.yaml")
+    assert main(["recipe", "show", recipe]) == 0
+    out = capsys.readouterr().out
+    assert "# in force: algorithm.correction.mode tis_token (auto: rollout.max_staleness 1)\n" in out
+    assert main(["recipe", "validate", recipe, "--no-check-paths"]) == 0
+    assert "async-rollout" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ the bound
 def group(index: int, *versions: int) -> RolloutGroup:
     return RolloutGroup(index, {}, [Sample([1], [2], [-0.5], weight_version=v) for v in versions])
