@@ -43,6 +43,7 @@ def test_a_collapsing_run_is_stopped_with_one_line_a_checkpoint_and_exit_1(tmp_p
     assert errors[0].startswith(f"error: the run collapsed at step {began}: {', '.join(tripped)} tripped on "
                                 f"{STREAK} steps in a row (trainer.stop_when_collapsed {STREAK})"), errors[0]
     assert errors[0].endswith(f"; checkpointed step {last}"), errors[0]
+    print(f"lr {lr:g}: {errors[0]}")
     # Warned on the console before it stopped; the dead model is checkpointed, not exported.
     assert "[health] warning at step" in proc.stdout and "health COLLAPSED" in proc.stdout, tail
     assert (run / "checkpoints" / f"step_{last:08d}" / "complete.json").is_file()
