@@ -135,11 +135,19 @@ def healthy(m: dict[str, Any]) -> bool | None:
     return not m["health"]["collapsed"] and not m.get("health_stop")
 
 
+def collapse_reason(mode: str, m: dict[str, Any]) -> str:
+    """Why a mode's run is no result: its trainer's stop line, else its collapsed steps."""
+    if m.get("health_stop"):
+        return f"{mode} run collapsed ({m['health_stop']})"
+    h = m["health"]
+    return (f"{mode} run collapsed at step {h['first_collapsed_step']} (longest streak "
+            f"{h['collapsed_steps_in_a_row']} step(s): {', '.join(h['signals'])})")
+
+
 def goal(speedup: float | None, within: bool | None, health: dict[str, bool | None],
-         stops: dict[str, str | None]) -> tuple[bool | None, str | None]:
+         stats: dict[str, dict[str, Any]]) -> tuple[bool | None, str | None]:
     """`goal_met` and, when it is not met, why: a collapsed side first, then speed and reward."""
-    reasons = [f"{mode} run collapsed" + (f" ({stops[mode]})" if stops.get(mode) else "")
-               for mode, ok in health.items() if ok is False]
+    reasons = [collapse_reason(mode, stats[mode]) for mode, ok in health.items() if ok is False]
     if reasons:
         return False, "; ".join(reasons)
     if speedup is None or within is None:
@@ -175,8 +183,7 @@ def summarize(stats: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
     health = {mode: healthy(m) for mode, m in (("sync", s), ("async", a))}
     out.update({f"{mode}_healthy": ok for mode, ok in health.items()})
     out["goal_speedup"] = GOAL_SPEEDUP
-    out["goal_met"], out["goal_reason"] = goal(speedup, within, health,
-                                               {"sync": s.get("health_stop"), "async": a.get("health_stop")})
+    out["goal_met"], out["goal_reason"] = goal(speedup, within, health, {"sync": s, "async": a})
     return out
 
 

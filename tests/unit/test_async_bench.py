@@ -89,7 +89,9 @@ def test_a_collapsed_side_is_never_a_result_and_says_why() -> None:
     stats["sync"] = async_bench.mode_stats(rows, _arrivals(20, 0.0, 2.0))
     assert stats["sync"]["health"] == {"collapsed": True, "first_collapsed_step": 5, "collapsed_steps_in_a_row": 1,
                                        "signals": ["reward"]}
-    assert async_bench.summarize(stats, steps=20)["goal_reason"].startswith("sync run collapsed; async run collapsed")
+    assert async_bench.summarize(stats, steps=20)["goal_reason"] == (
+        "sync run collapsed at step 5 (longest streak 1 step(s): reward); async run collapsed (the run collapsed at "
+        "step 5: reward, grad_norm tripped)")
     assert async_bench.health_stop("x\nerror: the run collapsed at step 3: a; checkpointed step 7\n") == \
         "the run collapsed at step 3: a; checkpointed step 7"
     assert async_bench.health_stop("error: trainer died") is None

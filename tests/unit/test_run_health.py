@@ -211,3 +211,16 @@ def test_the_tiny_grpo_at_20x_its_learning_rate_is_stopped_within_the_streak_of_
     assert line is not None and line.startswith(
         "the run collapsed at step 2: reward, format_rate, flat_groups, grad_norm, entropy, length_at_cap tripped on 5 "
         "steps in a row")
+
+
+def test_the_async_run_without_a_correction_that_nearly_died_is_flagged_at_its_dip() -> None:
+    # async_bench with `algorithm.correction.mode=none` written: at step 65 the collapse
+    # began (reward 0.02, format rate 0.07, answers at the cap, mismatch 0.11) and, that time, the run
+    # came back at step 67. One collapsed step: flagged in health/*, no stop at the default streak.
+    rows, line = replay("tiny_grpo_async_none", "grpo.yaml", *ASYNC, "algorithm.correction.mode=none")
+    assert line is None and len(rows) == 80
+    assert [r["step"] for r in rows if r["health/collapsed"]] == [65]
+    assert verdict(rows) == {"collapsed": True, "first_collapsed_step": 65, "collapsed_steps_in_a_row": 1,
+                             "signals": ["format_rate", "length_at_cap", "reward"]}
+    _, line = replay("tiny_grpo_async_none", "grpo.yaml", *ASYNC, "trainer.stop_when_collapsed=1")
+    assert line is not None and line.startswith("the run collapsed at step 65: reward, format_rate, length_at_cap")
