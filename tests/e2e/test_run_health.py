@@ -37,7 +37,8 @@ def test_a_collapsing_run_is_stopped_with_one_line_a_checkpoint_and_exit_1(tmp_p
     last = rows[-1]["step"]
     assert last < MAX_STEPS, "the run went on to its last step"
     began = last - STREAK + 1
-    assert [r["health/collapsed"] for r in rows[-STREAK:]] == [1.0] * STREAK and rows[-1]["health/collapsed_steps"] == STREAK
+    assert [r["health/collapsed"] for r in rows[-STREAK:]] == [1.0] * STREAK
+    assert rows[-1]["health/collapsed_steps"] == STREAK
     tripped = [s for s in ("reward", "format_rate", "flat_groups", "grad_norm", "entropy", "mismatch", "length_at_cap")
                if rows[-1][f"health/{s}"]]
     assert errors[0].startswith(f"error: the run collapsed at step {began}: {', '.join(tripped)} tripped on "
