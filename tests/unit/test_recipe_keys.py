@@ -90,7 +90,7 @@ def test_schema_names_are_exactly_the_registries() -> None:
     """The schema lists the choices so that `recipe validate` can check them without importing torch
     (the implementations are tensor code); the registries are the truth, and the lists must equal them."""
     from megatron_rl.advantages import ADVANTAGE_ESTIMATORS
-    from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, CorrectionConfig
+    from megatron_rl.config.schema import AlgorithmConfig, ChordConfig, CorrectionConfig, CorrectionMode
     from megatron_rl.objectives import CORRECTIONS, KL_ESTIMATORS, available_aggregations, available_objectives
 
     assert _choices(AlgorithmConfig, "name") == set(available_objectives())
@@ -98,5 +98,7 @@ def test_schema_names_are_exactly_the_registries() -> None:
     assert _choices(AlgorithmConfig, "loss_agg_mode") == set(available_aggregations())
     assert _choices(ChordConfig, "sft_loss_agg_mode") == set(available_aggregations())
     assert _choices(AlgorithmConfig, "kl_estimator") == set(KL_ESTIMATORS.names())
-    assert _choices(CorrectionConfig, "mode") == set(CORRECTIONS.names())
+    # 'auto' is no correction of its own: the recipe resolves it to one (`RecipeConfig.correction_mode`).
+    assert _choices(CorrectionConfig, "mode") == set(CORRECTIONS.names()) | {"auto"}
+    assert set(typing.get_args(CorrectionMode)) == set(CORRECTIONS.names())
     assert _choices(AlgorithmConfig, "advantage") == set(ADVANTAGE_ESTIMATORS.names())
