@@ -224,3 +224,12 @@ def test_the_async_run_without_a_correction_that_nearly_died_is_flagged_at_its_d
                              "signals": ["format_rate", "length_at_cap", "reward"]}
     _, line = replay("tiny_grpo_async_none", "grpo.yaml", *ASYNC, "trainer.stop_when_collapsed=1")
     assert line is not None and line.startswith("the run collapsed at step 65: reward, format_rate, length_at_cap")
+
+
+def test_the_async_run_without_a_correction_that_died_is_stopped_within_the_streak() -> None:
+    # The same bench, a third try: reward 0.36 → 0 from step 8 (format 0.01, every group flat, grad
+    # norm 0, then every answer at the cap); its health stopped it at step 12, exit 1, as replayed here.
+    rows, line = replay("tiny_grpo_async_none_collapsed", "grpo.yaml", *ASYNC, "algorithm.correction.mode=none")
+    assert [r["step"] for r in rows if r["health/collapsed"]] == [8, 9, 10, 11, 12] and rows[-1]["step"] == 12
+    assert line is not None and line.startswith("the run collapsed at step 8: reward, format_rate, length_at_cap "
+                                                "tripped on 5 steps in a row")
