@@ -43,3 +43,17 @@ def test_memory_options_worker_feeds_the_model_on_its_own_device() -> None:
     nbytes, grads = saved_activation_bytes(_DeviceStrictModel(), tokens)
     assert isinstance(nbytes, int)                      # meta storages have no address to count
     assert set(grads) == {"embedding"} and grads["embedding"].device.type == "meta"
+
+
+def test_gpu_tests_switch_tf32_off_and_say_so() -> None:
+    """Audit 3 #2: under the NGC base's TF32 override the fp32 GPU bounds fail; tests/gpu/conftest.py
+    turns both switches off for the run and its children and names what it found."""
+    from tests.gpu.conftest import TF32_OFF, tf32_off
+
+    ngc = {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1", "PATH": "/usr/bin"}
+    header = tf32_off(ngc)
+    assert ngc == {**TF32_OFF, "PATH": "/usr/bin"}
+    assert "TF32 off" in header and "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE was '1'" in header
+    assert "was" not in tf32_off({})
+    # torch reads the override as a boolean: "0" must be one of its false spellings.
+    assert TF32_OFF["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] in ("0", "OFF", "NO", "FALSE", "N")
