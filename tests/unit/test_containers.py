@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,6 +164,7 @@ def test_container_scripts_pass_bash_n_and_shellcheck(name: str) -> None:
 FAKE_PYTHON = r'''
 import json, os, sys
 from pathlib import Path
+from typing import Any
 from packaging.specifiers import SpecifierSet
 state = Path(os.environ["FAKE_STATE"])
 def dist():
@@ -244,3 +246,49 @@ def test_tests_build_their_demo_assets_elsewhere_when_the_tree_is_read_only(tmp_
     blocked.mkdir()
     (blocked / ".cache").write_text("")      # .cache cannot be made a directory (as on a read-only tree)
     assert cache_root(blocked, {"TMPDIR": str(tmp_path / "tmp")}) == tmp_path / "tmp" / "megatron-rl-cache"
+
+
+def test_selftest_runs_every_stage_whatever_the_earlier_ones_found(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Audit 3 #3: a failed package or stack check used to stop the self-test before CUDA and the GPU
+    tests; now each stage runs, a stage that raises is a failure of its own, and all are reported."""
+    import torch
+
+    ran: list[str] = []
+
+    def stage(name: str, result: list[str] | Exception) -> Any:
+        def check(*_args: object) -> list[str]:
+            ran.append(name)
+            if isinstance(result, Exception):
+                raise result
+            return result
+        return check
+
+    monkeypatch.setattr(selftest, "check_packages", stage("packages", ["vllm: import vllm failed"]))
+    monkeypatch.setattr(selftest, "check_stack", stage("stack", RuntimeError("no vllm metadata")))
+    monkeypatch.setattr(selftest, "check_cuda", stage("cuda", []))
+    monkeypatch.setattr(selftest, "run_gpu_tests", stage("gpu tests", ["GPU tests failed (pytest exit 1)"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert selftest.main() == 1
+    assert ran == ["packages", "stack", "cuda", "gpu tests"]
+    err = capsys.readouterr().err
+    assert "FAIL vllm: import vllm failed" in err and "FAIL stack: raised RuntimeError: no vllm metadata" in err
+    assert "FAIL GPU tests failed" in err
+
+
+def test_selftest_reports_a_stale_apex_as_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """apex's extensions built for the base's torch break when vLLM replaces it; nothing runs them."""
+    real = selftest.importlib.import_module
+
+    def import_module(name: str) -> Any:
+        if name == "apex":
+            return object()
+        if name == "amp_C":
+            raise ImportError("amp_C.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")
+        if name == "fused_layer_norm_cuda":
+            raise ImportError("No module named 'fused_layer_norm_cuda'")
+        return real(name)
+
+    monkeypatch.setattr(selftest.importlib, "import_module", import_module)
+    warnings = selftest.check_apex()
+    assert len(warnings) == 1 and warnings[0].startswith("apex: extension amp_C") and "undefined symbol" in warnings[0]
