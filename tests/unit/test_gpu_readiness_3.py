@@ -57,3 +57,52 @@ def test_gpu_tests_switch_tf32_off_and_say_so() -> None:
     assert "was" not in tf32_off({})
     # torch reads the override as a boolean: "0" must be one of its false spellings.
     assert TF32_OFF["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] in ("0", "OFF", "NO", "FALSE", "N")
+
+
+def _fleet_with_gate_results(diagnoses: list[Any], over_gate: list[bool]) -> Any:
+    """A RolloutFleet whose probe statistics and diagnoses are given (the collective parts are the
+    servers' and the gather's; what is tested is the decision after a failed gate)."""
+    from megatron_rl.sync import verify as verification
+    from megatron_rl.train.fleet import RolloutFleet
+
+    fleet = object.__new__(RolloutFleet)
+    fleet.rank0, fleet.intact_misses = True, 0
+    bad, good = torch.tensor([0.5, 0.9, 1.0, 1.0]), torch.tensor([1e-3, 2e-3, 3e-3, 3e-3])
+    stats = iter([bad if o else good for o in over_gate])
+    fleet._probe_stats = lambda *_a: next(stats)[:len(verification.STATS)]   # type: ignore[method-assign]
+    diag = iter(diagnoses)
+    fleet.diagnose = lambda *_a: next(diag)                               # type: ignore[method-assign]
+    return fleet
+
+
+def test_a_failed_gate_with_every_tensor_intact_warns_and_three_in_a_row_stop(capsys: pytest.CaptureFixture[str]) -> None:
+    """Audit 3 #6: one bf16 excursion over the gate, with the checksums proving the weights arrived
+    byte for byte, used to end the run; now it warns and goes on, and a checksum mismatch (or three
+    intact failures in a row) still stops."""
+    from types import SimpleNamespace
+
+    from megatron_rl.sync import verify as verification
+    from megatron_rl.sync.diagnose import Diagnosis
+    from megatron_rl.train.fleet import INTACT_MISSES_TO_STOP, misses_after_failed_gate
+    from megatron_rl.train.run import Stop
+
+    intact = Diagnosis(sent=10, workers=["w0", "w1"])
+    broken = Diagnosis(sent=10, workers=["w0"], differ={"model.layers.0.mlp.down_proj.weight": {"bytes": ["w0"]}})
+    assert misses_after_failed_gate(intact, 1) == 2
+    assert misses_after_failed_gate(broken, 1) == 0
+    assert misses_after_failed_gate(Diagnosis(error="arming failed"), 1) == 0
+    assert misses_after_failed_gate(Diagnosis(sent=10), 0) == 0                # no worker reported
+    policy = SimpleNamespace(dtype=torch.bfloat16)
+    gate = verification.Gate((0.01, 0.02, 0.03, 0.03)[:len(verification.STATS)],
+                             verification.Limits(mean=0.02, p90=0.05))
+    fleet = _fleet_with_gate_results([intact], [True, False])
+    metrics = fleet.verify(policy, None, 5, gate)
+    assert metrics["sync/verify_intact_misses"] == 1.0 and "training goes on" in capsys.readouterr().out
+    assert "sync/verify_intact_misses" not in fleet.verify(policy, None, 6, gate) and fleet.intact_misses == 0
+    fleet = _fleet_with_gate_results([intact] * INTACT_MISSES_TO_STOP, [True] * INTACT_MISSES_TO_STOP)
+    for version in range(INTACT_MISSES_TO_STOP - 1):
+        fleet.verify(policy, None, version, gate)
+    with pytest.raises(Stop, match=f"{INTACT_MISSES_TO_STOP} failed gates in a row"):
+        fleet.verify(policy, None, 9, gate)
+    with pytest.raises(Stop, match="reached the 1 vLLM worker other than the trainer sent"):
+        _fleet_with_gate_results([broken], [True]).verify(policy, None, 3, gate)
