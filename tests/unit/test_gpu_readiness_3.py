@@ -106,3 +106,35 @@ def test_a_failed_gate_with_every_tensor_intact_warns_and_three_in_a_row_stop(ca
         fleet.verify(policy, None, 9, gate)
     with pytest.raises(Stop, match="reached the 1 vLLM worker other than the trainer sent"):
         _fleet_with_gate_results([broken], [True]).verify(policy, None, 3, gate)
+
+
+def test_a_refused_weight_update_raises_before_rank0_enters_the_broadcast() -> None:
+    """Audit 3 #12: NcclTransport posted /update_weights on threads and entered NCCL at once; a
+    request refused before vLLM's workers joined left rank 0 in a broadcast with no timeout."""
+    import time
+
+    from megatron_rl.sync.gpu import SETTLE_S, _on_threads
+
+    entered: list[str] = []
+
+    def refused() -> None:
+        raise RuntimeError("400 Bad Request: unknown weight name")
+
+    def slow_ok() -> None:
+        time.sleep(0.05)
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="400 Bad Request"):
+        _on_threads([slow_ok, refused], lambda: entered.append("broadcast"), SETTLE_S)
+    assert entered == [] and time.monotonic() - start < SETTLE_S     # raised as soon as it was refused
+    # Accepted requests: the broadcast runs after the settle time, and a late error still raises.
+    _on_threads([slow_ok], lambda: entered.append("broadcast"), 0.01)
+    assert entered == ["broadcast"]
+
+    def late_refusal() -> None:
+        time.sleep(0.1)
+        raise RuntimeError("500 from a worker")
+
+    with pytest.raises(RuntimeError, match="500 from a worker"):
+        _on_threads([late_refusal], lambda: entered.append("again"), 0.0)
+    assert entered == ["broadcast", "again"]
