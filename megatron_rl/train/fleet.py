@@ -103,7 +103,7 @@ class RolloutFleet:
         self.own_server, self.servers = start_or_attach(self.cfg, self.run_dir, self.init.hf_dir,
                                                         self.init.server_args, external)
         senders = self._shm_senders(external) if r.weight_transfer == "shm" else []
-        group = open_sender_group(senders)                  # collective: every rank, before rank 0 goes on
+        group = open_sender_group(senders, self.cfg.trainer.collective_timeout_min)   # collective: every rank
         if group is not None and not self.rank0:
             if dist.get_rank() in [s.rank for s in senders]:
                 self.node_sender = NodeReceiver(group, r.sync_bucket_mb << 20, compute_device())

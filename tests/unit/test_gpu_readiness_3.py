@@ -138,3 +138,21 @@ def test_a_refused_weight_update_raises_before_rank0_enters_the_broadcast() -> N
     with pytest.raises(RuntimeError, match="500 from a worker"):
         _on_threads([late_refusal], lambda: entered.append("again"), 0.0)
     assert entered == ["broadcast", "again"]
+
+
+def test_the_node_sender_group_gets_the_runs_collective_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit 3 #11: `dist.new_group` without a timeout takes torch's 30-minute default, not the
+    run's `trainer.collective_timeout_min` (torch/distributed/distributed_c10d.py `_new_group_with_tag`)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_rl.sync.nodes import open_sender_group
+    from megatron_rl.topology import ShmSender
+
+    made: list[tuple[list[int], Any]] = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, timeout=None: made.append((ranks, timeout)) or "group")
+    senders = [ShmSender(rank=8 * k, node=k, servers=(k,), shared=False) for k in range(3)]
+    assert open_sender_group(senders, 45.0) == "group"
+    assert made == [([0, 8, 16], timedelta(minutes=45))]
+    assert open_sender_group(senders[:1], 45.0) is None and len(made) == 1
