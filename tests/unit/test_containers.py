@@ -175,12 +175,21 @@ if args[0] == "-c":
         print(dist())
     elif "torch.__version__" in args[1]:
         print(dist() + "+cu130")
+    elif "torch.version.cuda" in args[1]:
+        print(os.environ.get("TORCH_CUDA", "13.0"))
+    elif args[1] == "import wheel.bdist_wheel":
+        sys.exit(1 if os.environ.get("NO_WHEEL") else 0)
     elif not args[1].startswith("import megatron_rl"):
         sys.exit("unexpected: " + args[1])
+    sys.exit(0)
+if args[:3] == ["-m", "pip", "config"]:
+    print("global.constraint='/etc/pip/constraint.txt'")
     sys.exit(0)
 assert args[:3] == ["-m", "pip", "install"], args
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(args[3:]) + "\n")
+with open(os.environ["FAKE_LOG"] + ".constraint", "a") as f:
+    f.write(os.environ.get("PIP_CONSTRAINT", "<unset>") + "\n")
 for flag, value in zip(args, args[1:]):
     if flag == "-c":
         for pin in Path(value).read_text().split():
@@ -212,6 +221,10 @@ def test_install_order_holds_torch_with_a_constraint_pip_can_satisfy(tmp_path: P
     proc = subprocess.run(["bash", str(CONTAINERS / "install_in_image.sh"), str(src), str(wheels)], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The base's constraint (env or pip.conf) is set aside for steps 1-2 by a value pip does not
+    # ignore (an empty one it does), and the base's pip configuration is in the log.
+    assert (tmp_path / "pip.jsonl.constraint").read_text().split()[:2] == ["/dev/null", "/dev/null"]
+    assert "global.constraint='/etc/pip/constraint.txt'" in proc.stdout
     req = src / "requirements" / "container"
     assert (req / "torch-constraint.txt").read_text().split() == ["torch==2.13.0"]
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -223,6 +236,12 @@ def test_install_order_holds_torch_with_a_constraint_pip_can_satisfy(tmp_path: P
     assert "--no-deps" in calls[2] and "--no-deps" in calls[3] and "-e" in calls[3]
     assert "vLLM replaced the base's torch 2.10.0a0+b4e4ee8.nv25.10 with 2.13.0" in proc.stdout
     assert not wheels.exists()
+    for broken, said in (({"NO_WHEEL": "1"}, "no 'wheel' package"), ({"TORCH_CUDA": "12.8"}, "CUDA 12.8")):
+        (tmp_path / "torch").unlink(missing_ok=True)
+        wheels.mkdir(exist_ok=True)
+        bad = subprocess.run(["bash", str(CONTAINERS / "install_in_image.sh"), str(src), str(wheels)],
+                             env={**env, **broken, "FAKE_LOG": str(tmp_path / "bad.jsonl")}, capture_output=True, text=True)
+        assert bad.returncode == 1 and said in bad.stderr, bad.stdout + bad.stderr
 
 
 def test_make_test_gpu_and_the_image_self_test_run_the_same_tests() -> None:
