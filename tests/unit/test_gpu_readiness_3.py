@@ -156,3 +156,18 @@ def test_the_node_sender_group_gets_the_runs_collective_timeout(monkeypatch: pyt
     assert open_sender_group(senders, 45.0) == "group"
     assert made == [([0, 8, 16], timedelta(minutes=45))]
     assert open_sender_group(senders[:1], 45.0) is None and len(made) == 1
+
+
+def test_a_tiny_model_gets_its_tokenizer_without_the_demo_warmup(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit 3 #15: the GPU tests' tiny servers took their tokenizer from the demo assets, whose
+    200-step supervised warm-up a fresh image spent a minute on before any GPU test."""
+    from tests.helpers import rollout
+    from tests.helpers.models import TINY_MOE
+
+    def no_warmup() -> dict[str, Path]:
+        raise AssertionError("the demo's warmed-up assets were built for a tokenizer")
+
+    monkeypatch.setattr(rollout, "demo_assets", no_warmup)
+    model = rollout.tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model")
+    assert (model / "tokenizer.json").is_file() and (model / "config.json").is_file()
