@@ -168,6 +168,11 @@ def test_a_tiny_model_gets_its_tokenizer_without_the_demo_warmup(tmp_path: Path,
     def no_warmup() -> dict[str, Path]:
         raise AssertionError("the demo's warmed-up assets were built for a tokenizer")
 
+    def checkpoint(fields: dict, out: Path, seed: int = 0) -> Path:     # the random weights: not what is tested
+        out.mkdir()
+        return out
+
     monkeypatch.setattr(rollout, "demo_assets", no_warmup)
+    monkeypatch.setattr(rollout, "build_tiny_hf_checkpoint", checkpoint)
     model = rollout.tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model")
-    assert (model / "tokenizer.json").is_file() and (model / "config.json").is_file()
+    assert (model / "tokenizer.json").is_file() and (model / "tokenizer_config.json").is_file()
