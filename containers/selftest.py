@@ -3,13 +3,17 @@
 
 1. every package the image installs from requirements/pins.txt imports, at the pinned version;
 2. the stack fits together: torch is the version vLLM pins, Transformer Engine's torch extension
-   loads against it, megatron-core finds the fla kernels of Qwen3-Next's Gated DeltaNet, and the
-   base image's apex (NVIDIA's apex is not on PyPI) still loads its compiled parts if vLLM replaced
-   the torch it was built for;
+   loads against it, and megatron-core finds the fla kernels of Qwen3-Next's Gated DeltaNet. The
+   base image's apex (NVIDIA's apex is not on PyPI) is only a warning: vLLM replaces the torch its
+   extensions were built for, so they may not load, and nothing the project runs needs them
+   (megatron-core takes Transformer Engine's fused kernels);
 3. torch is a CUDA build with NCCL; with a GPU visible, a matmul on it and a one-rank NCCL
    all-reduce run (without one, e.g. on a build host, those two are skipped and say so);
 4. with a GPU visible and the project's tests in the image, the `gpu`-marked tests (what
    `make test-gpu` runs).
+
+Every stage runs whatever the ones before it found (a stage that raises is a failure of its own),
+so one run of the image reports everything wrong with it, the GPU checks included.
 
 Standard library + torch only at module level; Python 3.8+ (whatever the base image ships).
 """
@@ -23,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -126,26 +131,29 @@ def check_stack() -> list[str]:
         except Exception as exc:  # noqa: BLE001
             problems.append(f"fla: {module}.{name} (megatron-core's Gated DeltaNet needs it): "
                             f"{type(exc).__name__}: {exc}")
-    problems += _check_apex()
+    for warning in check_apex():
+        print(f"WARN {warning}")
     return problems
 
 
-def _check_apex() -> list[str]:
+def check_apex() -> list[str]:
+    """Warnings, never failures: apex's extensions against the installed torch."""
     try:
         importlib.import_module("apex")
     except ImportError:
         print("apex: not in the base image (megatron-core uses Transformer Engine's fused kernels)")
         return []
-    problems = []
+    warnings = []
     for ext in APEX_EXTENSIONS:
         try:
             importlib.import_module(ext)
         except ImportError as exc:
             if "No module named" in str(exc):
                 continue       # this extension was not built into the base's apex
-            problems.append(f"apex: extension {ext} does not load against the installed torch (built for the "
-                            f"base's torch?): {exc}; pick a base whose torch is vLLM's pin")
-    return problems
+            warnings.append(f"apex: extension {ext} does not load against the installed torch (built for the "
+                            f"base's torch, which vLLM replaced): {exc}; unused here (megatron-core takes "
+                            "Transformer Engine's kernels)")
+    return warnings
 
 
 def run_gpu_tests(home: Path) -> list[str]:
@@ -196,15 +204,29 @@ def _nccl_all_reduce() -> list[str]:
         dist.destroy_process_group()
 
 
-def main() -> int:
-    home = Path(os.environ.get("MEGATRON_RL_HOME", Path(__file__).resolve().parents[1]))
-    problems = check_packages(container_pins(home / "requirements" / "pins.txt"))
-    problems += check_stack() if not problems else []
-    problems += check_cuda() if not problems else []
+def _stage(name: str, check: Callable[[], list[str]]) -> list[str]:
+    """One stage's problems; a stage that raises is one problem, and the next stage still runs."""
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001  (reported, then the other stages run)
+        return [f"{name}: raised {type(exc).__name__}: {exc}"]
+
+
+def _gpu_tests_if_a_gpu(home: Path) -> list[str]:
     import torch
 
-    if not problems and torch.cuda.is_available():
-        problems += run_gpu_tests(home)
+    if not torch.cuda.is_available():
+        print("GPU tests skipped: no GPU visible")
+        return []
+    return run_gpu_tests(home)
+
+
+def main() -> int:
+    home = Path(os.environ.get("MEGATRON_RL_HOME", Path(__file__).resolve().parents[1]))
+    problems = _stage("packages", lambda: check_packages(container_pins(home / "requirements" / "pins.txt")))
+    problems += _stage("stack", check_stack)
+    problems += _stage("cuda", check_cuda)
+    problems += _stage("gpu tests", lambda: _gpu_tests_if_a_gpu(home))
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
     print("image self-test: " + ("FAILED" if problems else "ok"))

@@ -11,6 +11,7 @@ tokenizer, which `config/` may not import; `config/check.py` takes it as the dry
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ def preflight(cfg: RecipeConfig, check_paths: bool = True, gpu_memory_gb: float 
     findings = lint(cfg, check_paths)
     if check_paths and not any(f.rule == "missing-file" for f in findings):
         findings += data_findings(cfg)
-    return findings + fit_findings(cfg, gpu_memory_gb)
+    return findings + fit_findings(cfg, gpu_memory_gb) + startup_findings(cfg)
 
 
 def _error(rule: str, key: str, message: str) -> Finding:
@@ -87,19 +88,47 @@ def data_findings(cfg: RecipeConfig) -> list[Finding]:
     return out
 
 
+def _gpu_model(cfg: RecipeConfig) -> dict[str, Any] | None:
+    """The HF config of a GPU job's model (None: a CPU job, or no config to read; lint reports that)."""
+    from .model_config import ModelConfigError, resolve_hf_config
+
+    if cfg.gpus_per_node == 0:
+        return None
+    try:
+        return resolve_hf_config(cfg.model) if not cfg.model.hf_config or Path(cfg.model.hf_config).exists() else None
+    except ModelConfigError:
+        return None                                  # lint has reported it
+
+
+def startup_findings(cfg: RecipeConfig) -> list[Finding]:
+    """`rollout.startup_timeout_s` against the model's cold start (`planner.timing.cold_start_seconds`):
+    the sbatch script and the trainer give up on a server that is still reading its checkpoint."""
+    from .planner.params import count_params
+    from .planner.timing import COLD_READ_GB_S, ENGINE_START_S, STARTUP_MARGIN, cold_start_seconds
+
+    hf = _gpu_model(cfg)
+    if hf is None:
+        return []
+    params = count_params(hf)
+    cold = cold_start_seconds(params, cfg)
+    need = STARTUP_MARGIN * cold
+    if cfg.rollout.startup_timeout_s >= need:
+        return []
+    gb = (cold - ENGINE_START_S) * COLD_READ_GB_S
+    return [_error("startup-timeout", "rollout.startup_timeout_s",
+                   f"{cfg.rollout.startup_timeout_s:.0f} s is less than {STARTUP_MARGIN:.0f} × a cold server start of "
+                   f"~{cold:.0f} s ({gb:.0f} GB of {cfg.rollout.dtype} weights per server node at "
+                   f"{COLD_READ_GB_S:.0f} GB/s + {ENGINE_START_S:.0f} s of compile and CUDA-graph capture); "
+                   f"set it to at least {math.ceil(need / 60) * 60}")]
+
+
 def fit_findings(cfg: RecipeConfig, gpu_memory_gb: float) -> list[Finding]:
     """The planner's verdict on the recipe's own layout (GPU jobs with a known model only)."""
-    from .model_config import ModelConfigError, resolve_hf_config
     from .planner.memory import Hardware
     from .planner.plan import plan
     from .planner.report import render
 
-    if cfg.gpus_per_node == 0:
-        return []
-    try:
-        hf = resolve_hf_config(cfg.model) if not cfg.model.hf_config or Path(cfg.model.hf_config).exists() else None
-    except ModelConfigError:
-        return []                                   # lint has reported it
+    hf = _gpu_model(cfg)
     if hf is None:
         return []
     result = plan(cfg, hf, Hardware(cfg.parallelism.gpus_per_node, gpu_memory_gb), limit=0)

@@ -10,8 +10,12 @@ finite loss skips the step and leaves the weights alone), and peak memory. Also 
 the frozen base in NF4 on the device, TE's norms and attention where TE is installed —, q/k/v/o
 adapters; a step moves the adapters only).
 
-Needs torch and megatron-core (and PyYAML); no vLLM, Transformer-Engine or transformers. Qwen3-Next
-on CUDA also needs flash-linear-attention (`fla`); without it that model is reported as skipped.
+Needs torch, megatron-core and what megatron-core 0.19.2 imports unconditionally: numpy and
+packaging (megatron/core/utils.py, parallel_state.py, dist_checkpointing/strategies/torch.py), and
+PyYAML; no vLLM, Transformer-Engine or transformers. Without one of them each model reports the
+`ModuleNotFoundError` in the JSON line. For every model: einops and fla-core +
+flash-linear-attention (`fla`: Qwen3-Next's Gated DeltaNet on CUDA; without it that model is
+reported as skipped) and torchao (`qwen3_moe_qlora`'s NF4 base; skipped without it).
 Run through tools/gpu_smoke.sh.
 """
 

@@ -6,9 +6,10 @@
 #
 #   tools/gpu_smoke.sh [--models qwen3_moe,qwen3_next,qwen3_moe_qlora] [--dtype bf16|fp32]
 #
-# On a machine without megatron-core (or PyYAML), put their wheels in a directory and pass it as
-# SMOKE_WHEELS=/path/to/wheels: they are unpacked into a temporary directory on PYTHONPATH (no
-# pip, no network). PYTHON picks the interpreter (default: the repo's .venv, else python3).
+# On a machine without megatron-core, put its wheel and those of what it imports (numpy, packaging),
+# PyYAML, and for full coverage einops, fla-core, flash-linear-attention and torchao, in a directory
+# and pass it as SMOKE_WHEELS=/path/to/wheels: they are unpacked into a temporary directory on
+# PYTHONPATH (no pip, no network; pure-Python wheels, or ones built for this Python). PYTHON picks the interpreter (default: the repo's .venv, else python3).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${PYTHON:-}"

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..nf4 import NF4_BLOCK, nf4_scaler_block
 from . import cpu_compat
+from .sections import TP_SECTIONS_ATTR
 
 cpu_compat.require_applied()
 
@@ -43,9 +44,11 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 SCHEMES: tuple[str, ...] = ("nf4",)
 SKIPPED_MODULES: tuple[str, ...] = ("output_layer",)
 """Kept in the training dtype: the vocab-wide output layer (QLoRA leaves the LM head unquantized)."""
-# Megatron's per-parameter attributes that the sharding, checkpoint and sync code read.
+# Megatron's per-parameter attributes that the sharding, checkpoint and sync code read, and the
+# providers' per-section TP tag (Gated DeltaNet's fused in_proj): without it a load after
+# quantization cuts [q; k; v; z; β; α] in contiguous TP chunks.
 PARAM_ATTRS: tuple[str, ...] = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                                "sequence_parallel", "allreduce", "shared")
+                                "sequence_parallel", "allreduce", "shared", TP_SECTIONS_ATTR)
 
 
 class QuantizationError(ValueError):

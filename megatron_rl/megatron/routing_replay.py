@@ -130,6 +130,8 @@ class RoutingReplay:
         if getattr(config, "moe_router_fusion", False):
             raise ValueError("routing replay needs moe_router_fusion=False: the fused router skips the replay hook")
         self.config = config
+        self._weight = next(model.parameters())
+        """Where the model is (a parameter object survives `.to()`): where the routes go."""
         self.routers: list[TokenReplay] = []
         for router in _topk_routers(model):
             if getattr(router, "routing_type", "none") in ("sinkhorn", "quantile_balancing"):
@@ -155,6 +157,13 @@ class RoutingReplay:
         """One micro-batch's routes [b, s, layers, topk] and flags [b, s] (the micro-batch's
         token shape), or None: the routers route on their own and count nothing. `recompute`:
         backward will re-run the routers (full recompute); keep the routes for it until `clear`."""
+        if routes is not None and valid is not None and self._weight.device.type == "cuda":
+            # One asynchronous copy of the micro-batch's routes from pinned memory, instead of a
+            # blocking pageable one per MoE layer inside each router (94 a forward for the 235B:
+            # audit 3 #8). The caching host allocator keeps the pinned source until the copy is done.
+            device = self._weight.device
+            routes = routes.pin_memory().to(device, non_blocking=True)
+            valid = valid.pin_memory().to(device, non_blocking=True)
         for r in self.routers:
             if routes is None or valid is None:
                 r.set_tokens(None, None, False)

@@ -17,7 +17,12 @@ embedding; the last holds the output layer and the logits — both are computed,
   "6 + 12/d bytes per parameter" of Megatron-core's distributed-optimizer documentation.
   `optimizer_cpu_offload` moves states and master weights to host memory (reported, not counted);
 * activations: see `layer_activation_bytes`; per micro-batch, times the micro-batches in flight;
-* logits (last stage): bf16 logits plus fp32 log-softmax over the vocab-parallel shard;
+* logits (last stage): bf16 logits plus fp32 log-softmax over the vocab-parallel shard. Not counted:
+  on GPU the log-probs go through TE 2.18's `parallel_cross_entropy`, which allocates a full fp32
+  gradient buffer in forward even under no_grad (`transformer_engine/pytorch/triton/cross_entropy.py`),
+  so a π_old / π_ref / verification micro-batch briefly holds 2 + 4 (tempered fp32) + 4 bytes per
+  logit: 3.5 GB at 4,608 tokens × 151,936 / TP 2. Those passes keep no activations, so it stays
+  under the training peak this term is part of (audit 3 #14);
 * reference model: bf16 weights sharded like the actor, whenever the run has one
   (`algorithm.uses_reference`: a KL term, the trainer's rule);
 * vLLM, when colocated: vLLM claims `gpu_memory_utilization` × the card for weights + KV cache;

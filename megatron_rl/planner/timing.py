@@ -408,6 +408,25 @@ def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: Rollo
     return gather, nbytes / (g.pcie_gb_s * 1e9) + load, "/dev/shm segments"
 
 
+COLD_READ_GB_S = 2.0
+"""A server node's read rate of a cold checkpoint: vLLM's safetensors loader faults the files in
+through mmap, every server node at once from the same shared file system (each node reads every
+file: TP shards and EP slices are cut from whole tensors). Page-fault-driven reads reach a fraction
+of the 10-20 GB/s a streaming client gets (`SHARED_FS_GB_S`); a guess, on the low side."""
+ENGINE_START_S = 300.0
+"""A cold vLLM engine's start besides the read: worker processes, NCCL, torch.compile of the model
+graph without a compile cache, the KV-cache memory profile and CUDA-graph capture (vLLM's default
+batch sizes) on every worker. Minutes for a 48-94-layer MoE; a guess."""
+STARTUP_MARGIN = 2.0
+"""`rollout.startup_timeout_s` must be at least this many cold starts: both terms are guesses."""
+
+
+def cold_start_seconds(params: ModelParams, cfg: RecipeConfig) -> float:
+    """A server's first start, cold page cache and compile cache: what `rollout.startup_timeout_s`
+    must cover (audit 3 #4: 600 s for the 235B's 470 GB per rollout node)."""
+    return params.total * DTYPE_BYTES[cfg.rollout.dtype] / (COLD_READ_GB_S * 1e9) + ENGINE_START_S
+
+
 def sleep_seconds(cfg: RecipeConfig, ro: RolloutMemory, g: GpuSpec) -> Phase:
     level = cfg.rollout.sleep_level
     seconds = 2 * ro.weights_gb * GB / (g.pcie_gb_s * 1e9) if level == 1 else 0.0

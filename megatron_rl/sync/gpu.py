@@ -73,19 +73,31 @@ def master_address(server_hosts: Sequence[str]) -> str:
         return str(s.getsockname()[0])
 
 
-def _on_threads(calls: Sequence[Callable[[], Any]], main: Callable[[], Any]) -> None:
-    """Run `calls` on threads while `main` runs here; re-raise the first error of any."""
+SETTLE_S = 0.5
+"""How long the first request of an update (and of a connect) may take to be refused before rank 0
+enters NCCL: vLLM validates a request before its workers join the collective, and a broadcast that
+no worker joins never returns (`PyNcclCommunicator` has no timeout)."""
+
+
+def _on_threads(calls: Sequence[Callable[[], Any]], main: Callable[[], Any], settle_s: float = 0.0) -> None:
+    """Run `calls` on threads while `main` runs here; re-raise the first error of any. An error that
+    comes within `settle_s` (or before `main` starts) is raised without running `main`: `main` is a
+    collective the failed call's workers will never join."""
     errors: list[BaseException] = []
+    failed = threading.Event()
 
     def wrap(fn: Callable[[], Any]) -> None:
         try:
             fn()
         except BaseException as exc:     # noqa: BLE001 - re-raised below
             errors.append(exc)
+            failed.set()
 
     threads = [threading.Thread(target=wrap, args=(c,), daemon=True) for c in calls]
     for t in threads:
         t.start()
+    if failed.wait(settle_s) or errors:
+        raise errors[0]           # the other requests end by their own timeouts (daemon threads)
     try:
         main()
     finally:
@@ -206,15 +218,17 @@ class NcclTransport(_GpuTransport):
         calls = [partial(link.init_engine, {**common, "rank_offset": off}) for link, off in zip(self.links, offsets)]
         result: list[Any] = []
 
-        _on_threads(calls, lambda: result.append(open_group(address, port, 1 + sum(sizes), self.device)))
+        _on_threads(calls, lambda: result.append(open_group(address, port, 1 + sum(sizes), self.device)), SETTLE_S)
         self.comm = result[0]
 
     def _send(self, tensors: dict[str, torch.Tensor]) -> None:
         local = {n: t.to(self.device).contiguous() for n, t in tensors.items()}
         meta = _meta(local)
         nbytes = sum(t.nbytes for t in local.values())
+        # The first bucket of an update waits for a refusal (a later one repeats an accepted request).
         _on_threads([partial(link.update, meta, nbytes) for link in self.links],
-                    partial(broadcast, self.comm, local, self.device, self.packed))
+                    partial(broadcast, self.comm, local, self.device, self.packed),
+                    SETTLE_S if self.sent_bytes == 0 else 0.0)
         self.sent += meta["names"]
 
 

@@ -34,12 +34,14 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN
 from ..rollout.engines import MOE_LOAD
 from ..rollout.engines.loaded import views
 from ..topology import ShmSender
@@ -50,16 +52,18 @@ Entry = list[Any]
 """[name, dtype, shape, 0, offset]: one tensor of a bucket (the manifest's format, segment 0)."""
 
 
-def open_sender_group(senders: Sequence[ShmSender]) -> dist.ProcessGroup | None:
+def open_sender_group(senders: Sequence[ShmSender],
+                      timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN) -> dist.ProcessGroup | None:
     """Collective over the world (every rank calls it: `dist.new_group`): the node senders' group,
     with the world's backends (gloo for CPU tensors and objects, NCCL for CUDA tensors); None
-    with a single sender."""
+    with a single sender. `timeout_min`: the run's `trainer.collective_timeout_min`, as megatron's
+    groups get it (without one, `new_group` takes torch's 30-minute default, not the world's)."""
     if len(senders) < 2:
         return None
     ranks = [s.rank for s in senders]
     if ranks[0] != 0 or len(set(ranks)) != len(ranks):
         raise ValueError(f"node senders {ranks}: global rank 0 first, each rank once")
-    return dist.new_group(ranks)
+    return dist.new_group(ranks, timeout=timedelta(minutes=timeout_min))
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """A real vLLM server on the GPU takes the trainer's weights (file transport, layer-wise reload
 on CUDA): after a training step it is stale, after the sync its log-probs equal the trainer's, and
-a corrupted tensor shows. fp32 on both sides; TE runs fp32 GEMMs in TF32 regardless of torch's flags
-(cublaslt_gemm.cu, TE 2.x), which the tiny model's logits of order 1 keep well inside 2e-3."""
+a corrupted tensor shows. fp32 on both sides, TF32 off for the run and the server (tests/gpu/conftest.py:
+TE asks cuBLASLt for TF32 on fp32 GEMMs whatever torch's flags say; NVIDIA_TF32_OVERRIDE=0 overrides
+that too); 2e-3 is then fp32 round-off with a wide margin at the tiny model's logits of order 1."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """vLLM's GPU weight-transfer engines driven by the trainer's transports (`rollout.weight_transfer`
 nccl and ipc; sync/gpu.py): new weights sent from `cuda:0` reach a real vLLM server on
 the GPU, and its log-probs then equal transformers' float64 log-probs of those weights (fp32 on
-both sides; TE's fp32 GEMMs use TF32, which the tiny model keeps inside 2e-3). `nccl` needs a
+both sides, TF32 off for the run and the server as tests/gpu/conftest.py sets it; 2e-3 of margin). `nccl` needs a
 second GPU (NCCL refuses two ranks on one device; one GPU skips it): the server runs on GPU 1.
 `ipc` shares the trainer's GPU 0 with the server.
 

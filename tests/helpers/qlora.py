@@ -158,3 +158,34 @@ def merged_sync(hf: dict[str, Any], quant: Any, twin: Any, dtype: torch.dtype) -
                for n, t in want.sent.items()), default=0.0)
     return {"names_equal": sorted(got.sent) == sorted(want.sent), "tensors": len(got.sent),
             "max_rel_err": err, "nf4_restored": still_nf4}
+
+
+def hf_load_errors(hf: dict[str, Any], hf_dir: str, device: torch.device, layout: ParallelismConfig) -> dict[str, float]:
+    """Per NF4 weight of this rank: max |Δ| (relative to its max) between what QLoRA holds after
+    the HF load and the NF4 image of the dense model's shard at the same layout.
+
+    The actor quantizes first and loads the HF checkpoint afterwards (`train/policy.py`), so the
+    load shards through the NF4 parameter's attributes: one that lost Gated DeltaNet's per-section
+    tag cuts the fused in_proj [q; k; v; z; β; α] in contiguous TP chunks. The gather undoes the
+    same cut, so only a comparison on the trainer's own shards shows it."""
+    from megatron_rl.weights.loading import load_hf_into_model
+
+    def frozen(quantized: bool) -> Any:
+        recipe = for_quantized_base(build_model(dict(hf), layout, torch.float32))
+        model = build_gpt_model(recipe).to(device)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if quantized:
+            quantize_frozen_base(model, "nf4")
+        load_hf_into_model(model, hf_dir, weight_map(hf))
+        return model
+
+    quant, dense = dict(frozen(True).named_parameters()), dict(frozen(False).named_parameters())
+    errors = {}
+    for name, p in quant.items():
+        if is_quantized(p):
+            q = to_nf4(dense[name])
+            assert q is not None
+            want = dequantize(q)
+            errors[name] = float((dequantize(p) - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    return errors

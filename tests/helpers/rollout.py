@@ -44,8 +44,10 @@ def unit_paths(recipe: str | Path) -> list[str]:
 
 
 def tiny_model_with_tokenizer(fields: dict, out: Path, seed: int = 0) -> Path:
+    """A random tiny checkpoint with the demo's tokenizer, taken from `unit_assets()`: the demo's
+    200-step warm-up of the tiny MoE would cost a fresh image a minute before any GPU test (audit 3 #15)."""
     model = build_tiny_hf_checkpoint(fields, out, seed=seed)
-    tok = demo_assets()["model"]
+    tok = unit_assets()["model"]
     for name in TOKENIZER_FILES:
         if (tok / name).is_file():
             shutil.copy2(tok / name, model / name)

@@ -59,7 +59,9 @@ def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> tupl
         return t
 
     model.train()
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    # The batch is built on the host; the model sits on the rank's device (a GPU in the GPU test).
+    tokens = tokens.to(next(model.parameters()).device)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(tokens, positions, None)
     # Megatron's own backward entry (the schedules' one with deallocate_pipeline_outputs).

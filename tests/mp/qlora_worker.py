@@ -3,8 +3,10 @@ device this rank is bound to — CUDA in tests/gpu/test_qlora_gpu.py (1 GPU, TP 
 attention where TE is installed), the CPU on gloo in tests/integration/test_qlora_layouts.py (2
 ranks, TP 2 + sequence parallelism).
 
-`torchrun --nproc-per-node N tests/mp/qlora_worker.py OUT_JSON` (N = 1: TP 1; N = 2: TP 2 + SP,
-expert-TP 1) writes, on rank 0, every rank's results as a JSON list.
+`torchrun --nproc-per-node N tests/mp/qlora_worker.py OUT_JSON [QWEN3_NEXT_HF_DIR]` (N = 1: TP 1;
+N = 2: TP 2 + SP, expert-TP 1) writes, on rank 0, every rank's results as a JSON list. With the HF
+directory of a tiny Qwen3-Next, each rank also loads it into a QLoRA model at that layout and
+reports each NF4 shard's error against the dense model's (`qwen3_next_load`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megatron_rl.megatron.actor import init_parallel  # noqa: E402
 from megatron_rl.megatron.devices import compute_device, init_distributed  # noqa: E402
 from megatron_rl.megatron.gpt import use_transformer_engine  # noqa: E402
 from megatron_rl.megatron.quantize import is_quantized  # noqa: E402
+from megatron_rl.model_config import read_hf_config  # noqa: E402
 from tests.helpers import qlora  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 from tests.mp.launch import REPO  # noqa: E402
@@ -63,6 +66,9 @@ def main() -> None:
                   "te_installed": importlib.util.find_spec("transformer_engine") is not None}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         mine[name] = run(dtype, device, layout)
+    if len(sys.argv) > 2:
+        next_dir = sys.argv[2]
+        mine["qwen3_next_load"] = qlora.hf_load_errors(read_hf_config(next_dir), next_dir, device, layout)
     if device.type == "cuda":
         mine["dequantize_peak_bytes_per_param_bf16"] = qlora.dequantize_peak_bytes_per_param(device, torch.bfloat16)
     everyone: list = [None] * dist.get_world_size()

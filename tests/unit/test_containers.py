@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,6 +164,7 @@ def test_container_scripts_pass_bash_n_and_shellcheck(name: str) -> None:
 FAKE_PYTHON = r'''
 import json, os, sys
 from pathlib import Path
+from typing import Any
 from packaging.specifiers import SpecifierSet
 state = Path(os.environ["FAKE_STATE"])
 def dist():
@@ -173,12 +175,21 @@ if args[0] == "-c":
         print(dist())
     elif "torch.__version__" in args[1]:
         print(dist() + "+cu130")
+    elif "torch.version.cuda" in args[1]:
+        print(os.environ.get("TORCH_CUDA", "13.0"))
+    elif args[1] == "import wheel.bdist_wheel":
+        sys.exit(1 if os.environ.get("NO_WHEEL") else 0)
     elif not args[1].startswith("import megatron_rl"):
         sys.exit("unexpected: " + args[1])
+    sys.exit(0)
+if args[:3] == ["-m", "pip", "config"]:
+    print("global.constraint='/etc/pip/constraint.txt'")
     sys.exit(0)
 assert args[:3] == ["-m", "pip", "install"], args
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(args[3:]) + "\n")
+with open(os.environ["FAKE_LOG"] + ".constraint", "a") as f:
+    f.write(os.environ.get("PIP_CONSTRAINT", "<unset>") + "\n")
 for flag, value in zip(args, args[1:]):
     if flag == "-c":
         for pin in Path(value).read_text().split():
@@ -210,6 +221,10 @@ def test_install_order_holds_torch_with_a_constraint_pip_can_satisfy(tmp_path: P
     proc = subprocess.run(["bash", str(CONTAINERS / "install_in_image.sh"), str(src), str(wheels)], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The base's constraint (env or pip.conf) is set aside for steps 1-2 by a value pip does not
+    # ignore (an empty one it does), and the base's pip configuration is in the log.
+    assert (tmp_path / "pip.jsonl.constraint").read_text().split()[:2] == ["/dev/null", "/dev/null"]
+    assert "global.constraint='/etc/pip/constraint.txt'" in proc.stdout
     req = src / "requirements" / "container"
     assert (req / "torch-constraint.txt").read_text().split() == ["torch==2.13.0"]
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -221,6 +236,12 @@ def test_install_order_holds_torch_with_a_constraint_pip_can_satisfy(tmp_path: P
     assert "--no-deps" in calls[2] and "--no-deps" in calls[3] and "-e" in calls[3]
     assert "vLLM replaced the base's torch 2.10.0a0+b4e4ee8.nv25.10 with 2.13.0" in proc.stdout
     assert not wheels.exists()
+    for broken, said in (({"NO_WHEEL": "1"}, "no 'wheel' package"), ({"TORCH_CUDA": "12.8"}, "CUDA 12.8")):
+        (tmp_path / "torch").unlink(missing_ok=True)
+        wheels.mkdir(exist_ok=True)
+        bad = subprocess.run(["bash", str(CONTAINERS / "install_in_image.sh"), str(src), str(wheels)],
+                             env={**env, **broken, "FAKE_LOG": str(tmp_path / "bad.jsonl")}, capture_output=True, text=True)
+        assert bad.returncode == 1 and said in bad.stderr, bad.stdout + bad.stderr
 
 
 def test_make_test_gpu_and_the_image_self_test_run_the_same_tests() -> None:
@@ -244,3 +265,49 @@ def test_tests_build_their_demo_assets_elsewhere_when_the_tree_is_read_only(tmp_
     blocked.mkdir()
     (blocked / ".cache").write_text("")      # .cache cannot be made a directory (as on a read-only tree)
     assert cache_root(blocked, {"TMPDIR": str(tmp_path / "tmp")}) == tmp_path / "tmp" / "megatron-rl-cache"
+
+
+def test_selftest_runs_every_stage_whatever_the_earlier_ones_found(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Audit 3 #3: a failed package or stack check used to stop the self-test before CUDA and the GPU
+    tests; now each stage runs, a stage that raises is a failure of its own, and all are reported."""
+    import torch
+
+    ran: list[str] = []
+
+    def stage(name: str, result: list[str] | Exception) -> Any:
+        def check(*_args: object) -> list[str]:
+            ran.append(name)
+            if isinstance(result, Exception):
+                raise result
+            return result
+        return check
+
+    monkeypatch.setattr(selftest, "check_packages", stage("packages", ["vllm: import vllm failed"]))
+    monkeypatch.setattr(selftest, "check_stack", stage("stack", RuntimeError("no vllm metadata")))
+    monkeypatch.setattr(selftest, "check_cuda", stage("cuda", []))
+    monkeypatch.setattr(selftest, "run_gpu_tests", stage("gpu tests", ["GPU tests failed (pytest exit 1)"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert selftest.main() == 1
+    assert ran == ["packages", "stack", "cuda", "gpu tests"]
+    err = capsys.readouterr().err
+    assert "FAIL vllm: import vllm failed" in err and "FAIL stack: raised RuntimeError: no vllm metadata" in err
+    assert "FAIL GPU tests failed" in err
+
+
+def test_selftest_reports_a_stale_apex_as_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """apex's extensions built for the base's torch break when vLLM replaces it; nothing runs them."""
+    real = selftest.importlib.import_module
+
+    def import_module(name: str) -> Any:
+        if name == "apex":
+            return object()
+        if name == "amp_C":
+            raise ImportError("amp_C.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")
+        if name == "fused_layer_norm_cuda":
+            raise ImportError("No module named 'fused_layer_norm_cuda'")
+        return real(name)
+
+    monkeypatch.setattr(selftest.importlib, "import_module", import_module)
+    warnings = selftest.check_apex()
+    assert len(warnings) == 1 and warnings[0].startswith("apex: extension amp_C") and "undefined symbol" in warnings[0]

@@ -138,3 +138,27 @@ def test_lora_on_experts_is_refused_on_gpu_jobs(recipe: Path) -> None:
     # Under QLoRA the spec runs the experts as per-expert local linears: adapters have modules to hook.
     qlora = errors(recipe, *experts[:-1], "lora.base_quantization=nf4")
     assert "lora-targets" not in qlora and "lora-base-quantization" not in qlora, qlora
+
+
+@pytest.mark.parametrize("recipe", PRODUCTION, ids=IDS)
+def test_the_server_start_timeout_covers_a_cold_start(recipe: Path) -> None:
+    """Audit 3 #4: 600 s did not cover a cold 235B server (470 GB per rollout node, then compile and
+    graph capture); every production recipe waits 2 × the estimate, and the dry run refuses less."""
+    from megatron_rl.model_config import resolve_hf_config
+    from megatron_rl.planner.params import count_params
+    from megatron_rl.planner.timing import STARTUP_MARGIN, cold_start_seconds
+    from megatron_rl.preflight import startup_findings
+
+    cfg = load_recipe(recipe, [])
+    cold = cold_start_seconds(count_params(resolve_hf_config(cfg.model)), cfg)
+    assert cold > 300 and cfg.rollout.startup_timeout_s >= STARTUP_MARGIN * cold
+    assert startup_findings(cfg) == []
+    (short,) = startup_findings(load_recipe(recipe, ["rollout.startup_timeout_s=600"]))
+    assert short.rule == "startup-timeout" and short.key == "rollout.startup_timeout_s" and "600 s" in short.message
+
+
+def test_the_dry_run_refuses_a_server_timeout_shorter_than_a_cold_start(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(REPO / "recipes/qwen3_235b_a22b/grpo.yaml")
+    assert main(["train", "--dry-run", path, "rollout.startup_timeout_s=600", "--no-check-paths"]) == 1
+    out = capsys.readouterr()
+    assert "[startup-timeout]" in out.err and "at least 1080" in out.err

@@ -36,6 +36,7 @@ from megatron_rl.megatron.actor import Actor, init_parallel  # noqa: E402
 from megatron_rl.megatron.devices import init_distributed  # noqa: E402
 from megatron_rl.megatron.qlora_spec import for_quantized_base, local_rms_norm, qlora_pieces  # noqa: E402
 from megatron_rl.megatron.quantize import QuantizationError  # noqa: E402
+from megatron_rl.megatron.sections import TP_SECTIONS_ATTR  # noqa: E402
 from megatron_rl.models import MODELS, build_model  # noqa: E402
 from tests.helpers import qlora  # noqa: E402
 from tests.helpers.models import TINY_DENSE, TINY_MOE, TINY_QWEN3_NEXT  # noqa: E402
@@ -132,6 +133,10 @@ def test_the_actor_builds_the_qlora_spec_with_the_nf4_base_in_its_local_linears(
         attention = hasattr(layer.self_attention, "linear_qkv")
         mixer = {"linear_qkv", "linear_proj"} if attention else {"in_proj", "out_proj"}   # GDN: in/out_proj
         assert mixer | {"linear_fc1", "linear_fc2"} == kinds, (i, kinds)
+        if not attention:    # the NF4 in_proj keeps its per-section TP tag (the HF load shards by it)
+            gdn = layer.self_attention
+            sections = getattr(gdn.in_proj.weight, TP_SECTIONS_ATTR)
+            assert sections == tuple(gdn.in_proj_split_sections), sections
         assert type(layer.input_layernorm) is cpu_compat.LocalRMSNorm
     experts = hf.get("num_experts", 0)
     expert_holders = [n for n in holders if ".local_experts." in n]
