@@ -139,6 +139,9 @@ class Actor:
         self.replay_routes = routing_replay_default(self.trainable) if replay_routes is None else replay_routes
         self.routing_metrics: dict[str, float] = {}
         """Routing counts of the last `compute_logprobs` that had routes (`routing/...`, per layer too)."""
+        self.trained_logprobs: torch.Tensor | None = None
+        """The last `train_step`'s own log-probs [N, L−1] (as `compute_logprobs` gives them) when
+        its batch came without old log-probs (π_old is that forward: `steps_per_generation` 1)."""
         self.lora = None
         self.quantization: Any = None
         """QLoRA: what `quantize.quantize_frozen_base` did (None: the base is in the training dtype)."""
@@ -339,11 +342,16 @@ class Actor:
                                 replay=self.replay_routes if replay is None else replay)
         if self.routing is not None and batch.routes is not None:
             self.routing_metrics = self.routing.take_metrics(self.config.num_layers, per_layer=True)
+        return self._collect([r["logprobs"] for r in reports], plans, rows.mask, n)
+
+    def _collect(self, parts: list[torch.Tensor], plans: list[MicroBatchPlan] | None, mask: torch.Tensor,
+                 n: int) -> torch.Tensor:
+        """This rank's micro-batch log-probs → the batch's first `n` rows [n, L−1] in batch order,
+        on the CPU of every rank (collective over DP, then from the last pipeline stage)."""
         full = None
         if ps.is_pipeline_last_stage():
-            parts = [r["logprobs"] for r in reports]
             full = self._gather_dp(torch.cat(parts, dim=0)) if plans is None else \
-                self._scatter_dp(plans, parts, rows.num_rows, rows.mask.shape[1], max(needed_lengths(rows.mask)) - 1)
+                self._scatter_dp(plans, parts, mask.shape[0], mask.shape[1], max(needed_lengths(mask)) - 1)
             full = full[:n].cpu()
         return _broadcast_from_last_stage(full)
 
@@ -381,23 +389,30 @@ class Actor:
         denoms = denominators_from_masks([batch.mask], batch.mask.shape[1])
         sft_denoms = None if batch.sft_mask is None else \
             denominators_from_masks([batch.sft_mask], batch.sft_mask.shape[1])
-        mbs = self._local_microbatches(batch)
+        mbs, plans = self._split(batch)
         loss_fn = get_objective(algorithm.name)
         # One update per rollout: the weights that sampled are the weights being trained, so π_old
         # is this forward itself, detached (ratio exactly 1, as ms-swift's and verl's on-policy
         # paths). A second forward would differ from it by bf16 rounding of other micro-batch
         # shapes and by LoRA dropout, noise that a sequence-level clip of 3e-4 would act on.
         on_policy = algorithm.steps_per_generation == 1
+        # Without old log-probs the caller skipped the π_old forward: this forward's are kept for it.
+        if batch.old_logprobs is None and not on_policy:
+            raise ValueError("train_step needs the batch's old log-probs unless steps_per_generation is 1")
+        kept: list[torch.Tensor] | None = [] if batch.old_logprobs is None else None
 
         def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
             # Entropy comes from the same chunked pass as the log-probs (no extra pass; detached
             # unless the loss has an entropy term), and is logged either way.
             logp, entropy = self._logprobs(logits, tokens, temperature, with_entropy=True)
             rows, width = mb.tokens.shape[0], mb.tokens.shape[1] - 1
-            assert mb.old_logprobs is not None, "train_step needs the batch's old log-probs"
             own = logp[:rows, :width]
+            if kept is not None:
+                kept.append(own.detach())
+            old = own.detach() if on_policy else mb.old_logprobs
+            assert old is not None, "checked above"
             inputs = LossInputs(
-                logprobs=own, old_logprobs=own.detach() if on_policy else mb.old_logprobs,
+                logprobs=own, old_logprobs=old,
                 advantages=mb.advantages,
                 mask=mb.mask, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
                 entropy=None if entropy is None else entropy[:rows, :width],
@@ -411,6 +426,7 @@ class Actor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self._run(mbs, loss_for, forward_only=False, replay=self.replay_routes)
+        self.trained_logprobs = None if kept is None else self._collect(kept, plans, batch.mask, batch.num_rows)
         metrics = self._reduce_reports(reports)
         if self.routing is not None and batch.routes is not None:
             metrics.update(self.routing.take_metrics(self.config.num_layers, per_layer=False))

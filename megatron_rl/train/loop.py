@@ -172,6 +172,7 @@ def learn(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, 
                                                 unbiased_std=a.advantage_std == "unbiased", eps=a.advantage_eps)
     with timed(timings, "train"):
         updates = policy.update(batch, step, data.sft)
+    batch = policy.with_old_from_update(batch)
     return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing, timings,
                    rollout.metrics, rollout.order)
 

@@ -46,6 +46,16 @@ def uses_base_reference(cfg: RecipeConfig) -> bool:
     return cfg.lora.rank > 0 and cfg.model.reference == "init"
 
 
+def old_from_update(cfg: RecipeConfig) -> bool:
+    """Whether π_old's log-probs are the update's own forward, detached, with no forward of their
+    own (as TRL and ms-swift do): with one update per rollout the actor's ratio is 1 by
+    construction (`Actor.train_step`), so only metrics read them. Not when the reward's KL penalty
+    needs them before the update, nor under LoRA dropout (the training forward's noise would enter
+    `mismatch/abs_mean`); a batch with MoE routes keeps its forward for the routing metrics."""
+    a = cfg.algorithm
+    return a.steps_per_generation == 1 and not a.kl_in_reward and cfg.lora.dropout == 0.0
+
+
 def starting_checkpoint(cfg: RecipeConfig) -> InitCheckpoint:
     """Where the policy starts: an HF directory or a Megatron dist-checkpoint."""
     require(cfg.model.init_checkpoint, "model.init_checkpoint (an HF directory or a Megatron dist-checkpoint)")
@@ -93,8 +103,12 @@ class Policy:
     def logprobs(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         """`batch` with the actor's log-probs before any update (π_old) and, when the run has a
         reference model, the reference's; and the routing metrics of the π_old forward when the batch
-        carries the rollout's MoE routes."""
+        carries the rollout's MoE routes. With `old_from_update(cfg)` (and no routes) π_old is left
+        None: `with_old_from_update` fills it after the update."""
         t = self.temperature
+        if old_from_update(self.cfg) and batch.routes is None:
+            ref = self.reference.compute_logprobs(batch, t) if self.reference is not None else None
+            return replace(batch, old_logprobs=None, ref_logprobs=ref), {}
         old = self.actor.compute_logprobs(batch, t)
         routing = self._routing_metrics(batch, self.cfg.rollout.routing_replay_diagnostics)
         ref = self.reference.compute_logprobs(batch, t) if self.reference is not None else None
@@ -129,6 +143,14 @@ class Policy:
             updates.append(self.actor.train_step(mb, a, temperature=self.temperature,
                                                  rl_step=optimizer_step(step, a.steps_per_generation, i)))
         return updates
+
+    def with_old_from_update(self, batch: TrainBatch) -> TrainBatch:
+        """`batch` (the updated one) with π_old's log-probs from the update's forward when
+        `logprobs` left them out; else `batch` itself."""
+        if batch.old_logprobs is not None:
+            return batch
+        assert self.actor.trained_logprobs is not None, "the update kept its log-probs (old_logprobs was None)"
+        return replace(batch, old_logprobs=self.actor.trained_logprobs)
 
     def matches_server_load(self, resumed: bool) -> bool:
         """Whether the servers' own load of the starting checkpoint equals the trainer's weights (so
