@@ -17,10 +17,10 @@ directory whose files are flushed before the server is told; the server maps it 
 relies on mmap coherence across nodes. The previous directory goes once the next one has landed.
 
 Sequence: the trainer writes (the servers keep serving: they read nothing before the update) →
-per server, the engine round (pause, waiting for in-flight requests → /update_weights with the
-manifest → reset prefix cache → resume). Writing before the pause also keeps the copy off the
-cores that vLLM's worker busy-polls for a second after every request it gets, which made the same
-copy 40× slower.
+every server at once, on a thread each (`load_everywhere`), the engine round (pause, waiting for
+in-flight requests → /update_weights with the manifest → reset prefix cache → resume). Writing
+before the pause also keeps the copy off the cores that vLLM's worker busy-polls for a second
+after every request it gets, which made the same copy 40× slower.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import tempfile
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +41,7 @@ import torch
 
 from ..rollout.engines import MOE_LOAD
 from ..rollout.shm import SYNC_PREFIX
-from .routes import EngineLink, EngineServer
+from .routes import EngineLink, EngineServer, on_every_server, round_deadline_s
 
 ALIGN = 64
 """Byte alignment of every tensor in a segment (any dtype view of the bytes is aligned)."""
@@ -300,6 +301,16 @@ class ShmLink(EngineLink):
         self.shared.close()
 
 
+def load_everywhere(links: Sequence[ShmLink], version: int, manifests: Sequence[str]) -> list[dict[str, Any]]:
+    """Every server loads its manifest at once, each round under its own supervisor (audit 3
+    finding 7: one after another, 4 rollout nodes of the 235B each faulted 470 GB out of the shared
+    run dir in turn). What each reads is its own node's pages, or the shared file system's, which
+    serves several readers faster than one."""
+    nbytes = max(sum(size for _, size in json.loads(m)["segments"]) for m in manifests)
+    calls = [partial(link.supervise, "the weight sync", link.load, version, m) for link, m in zip(links, manifests)]
+    return on_every_server([link.server for link in links], calls, "the weight sync", round_deadline_s(nbytes))
+
+
 class SharedSegmentTransport(SegmentWriter):
     """Write once, read by all: one copy of each version, the same manifest to every server.
 
@@ -313,7 +324,7 @@ class SharedSegmentTransport(SegmentWriter):
 
     def finish(self, names: list[str]) -> dict[str, Any]:
         manifest, previous = self.seal(names)
-        results = [link.supervise("the weight sync", link.load, self.version, manifest) for link in self.links]
+        results = load_everywhere(self.links, self.version, [manifest] * len(self.links))
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
         return {**results[0], "servers": len(results)}
