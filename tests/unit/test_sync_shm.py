@@ -37,6 +37,7 @@ class EngineRecorder:
         """Set: each load waits there for the other servers' loads (which must be under way too)."""
         self.load_spans: list[tuple[float, float]] = []
         self.fail = ""
+        self.patched = 0
 
     def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
         self.calls.append(path)
@@ -52,6 +53,7 @@ class EngineRecorder:
             segments = [torch.frombuffer(bytearray(Path(p).read_bytes()[:size]), dtype=torch.uint8)
                         for p, size in info["segments"]]
             self.loaded = {name: t.clone() for name, t in views(info["tensors"], segments)}
+            self.patched = _apply_patches(self.loaded, info)
             self.version = info["version"]
             self.load_spans.append((start, time.monotonic()))
         if path == "/finish_weight_update":
@@ -63,6 +65,22 @@ class EngineRecorder:
         assert method == "mrl_check_loaded"
         record = {"version": self.version, "tensors": len(self.loaded) - self.lie}
         return [check_loaded(record, args[0], f"worker {i}") for i in range(2)]
+
+
+def _apply_patches(loaded: dict[str, torch.Tensor], info: dict[str, Any]) -> int:
+    """A delta round's patches (`sync/delta.PatchEntry` rows) onto the previous version, decoded
+    here independently of the engine: indices and values at their places in the patch files."""
+    files = [Path(p).read_bytes()[:size] for p, size in info.get("patch_segments", [])]
+    for name, dtype, _shape, index_dtype, count, (iseg, ioff), (vseg, voff) in info.get("patches", []):
+        dt = getattr(torch, dtype)
+        values = torch.frombuffer(bytearray(files[vseg][voff:voff + count * dt.itemsize]), dtype=dt)
+        flat = loaded[name].reshape(-1)
+        if index_dtype is None:
+            flat.copy_(values)
+        else:
+            it = getattr(torch, index_dtype)
+            flat[torch.frombuffer(bytearray(files[iseg][ioff:ioff + count * it.itemsize]), dtype=it).long()] = values
+    return len(info.get("patches", []))
 
 
 ROUND = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "mrl_check_loaded",
