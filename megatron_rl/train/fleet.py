@@ -105,6 +105,9 @@ class RolloutFleet:
         if not self.rank0:
             return
         if group is not None:
+            if r.sync_delta == "on":
+                raise ValueError("rollout.sync_delta: 'on' is not supported with a sender per node (colocated "
+                                 "over several nodes) yet; use 'auto' (dense there) or 'off'")
             # Colocated over several nodes: each node's first rank writes its node's /dev/shm copy.
             node_transport = NodeShmTransport(self.servers, senders, group, segment_bytes=r.sync_bucket_mb << 20,
                                               device=compute_device())
@@ -118,7 +121,8 @@ class RolloutFleet:
             lone = len(self.servers) == 1 and self.servers[0] is self.own_server
             sync_root = None if lone else self.run_dir / "rollout" / "sync"
             self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
-                                                             r.sync_bucket_mb << 20)
+                                                             r.sync_bucket_mb << 20, delta=r.sync_delta,
+                                                             dense_every=r.sync_dense_every)
         if self.cfg.lora.base_quantization != "none":
             for link in self.transports:
                 if isinstance(link, ShmLink):
@@ -310,7 +314,10 @@ class _Supervised:
 def sync_metrics(report: SyncReport | None) -> dict[str, float]:
     if report is None:
         return {}
-    return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}
+    sent = report.sent or {"bytes": report.bytes, "changed_frac": 1.0, "dense": 1}
+    return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts,
+            "sync/bytes": float(sent["bytes"]), "sync/changed_frac": float(sent["changed_frac"]),
+            "sync/dense": float(sent["dense"])}
 
 
 def generate_groups(client: RolloutClient | MultiClient, prompts: Sequence[list[int]],

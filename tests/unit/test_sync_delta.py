@@ -143,3 +143,16 @@ def test_a_server_restarted_during_a_delta_round_gets_the_previous_version_whole
 def test_on_is_refused_for_servers_reading_the_shared_run_dir(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="rollout.sync_delta: 'on' .* shared run dir"):
         SharedSegmentTransport([EngineRecorder("a")], tmp_path / "sync", segment_bytes=1024, delta="on")
+
+
+def test_validate_refuses_on_where_every_version_goes_whole_and_accepts_it_on_one_node() -> None:
+    from pathlib import Path
+
+    from tests.unit.test_gpu_refusals import PRODUCTION, errors
+
+    tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "grpo.yaml"
+    assert "sync-delta" not in errors(tiny, "rollout.sync_delta=on")     # (YAML reads on as true: still "on")
+    for recipe in PRODUCTION:                      # none of them a single colocated node on shm
+        (msg,) = errors(recipe, "rollout.sync_delta=on")["sync-delta"]
+        assert msg.startswith("rollout.sync_delta: 'on' is not supported here"), (recipe, msg)
+        assert "sync-delta" not in errors(recipe)                   # auto: whole there, no error
