@@ -267,6 +267,8 @@ def delta_sync_where(cfg: RecipeConfig) -> str | None:
         return "servers on rollout nodes read a new directory of the shared run dir every update"
     if cfg.parallelism.nodes > 1:
         return "a sender per node (colocated over several nodes) sends every version whole"
+    if r.sleep_level == 2:
+        return "a level-2 sleep drops the servers' weights, which every sync then refills whole"
     return None
 
 

@@ -120,8 +120,9 @@ class RolloutFleet:
             # nodes read the shared run dir.
             lone = len(self.servers) == 1 and self.servers[0] is self.own_server
             sync_root = None if lone else self.run_dir / "rollout" / "sync"
+            delta = "off" if r.sleep_level == 2 else r.sync_delta       # the wake-up leaves no weights to patch
             self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
-                                                             r.sync_bucket_mb << 20, delta=r.sync_delta,
+                                                             r.sync_bucket_mb << 20, delta=delta,
                                                              dense_every=r.sync_dense_every)
         if self.cfg.lora.base_quantization != "none":
             for link in self.transports:

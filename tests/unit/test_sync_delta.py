@@ -152,6 +152,8 @@ def test_validate_refuses_on_where_every_version_goes_whole_and_accepts_it_on_on
 
     tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "grpo.yaml"
     assert "sync-delta" not in errors(tiny, "rollout.sync_delta=on")     # (YAML reads on as true: still "on")
+    (msg,) = errors(tiny, "rollout.sync_delta=on", "rollout.sleep_level=2")["sync-delta"]
+    assert "level-2 sleep drops the servers' weights" in msg
     for recipe in PRODUCTION:                      # none of them a single colocated node on shm
         (msg,) = errors(recipe, "rollout.sync_delta=on")["sync-delta"]
         assert msg.startswith("rollout.sync_delta: 'on' is not supported here"), (recipe, msg)
