@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/sync_bench.py [--dir /tmp/sync_bench] [--repeats 4] [--bucket-mb 512]
                                          [--models tiny,large] [--moe-load in_place|layerwise] [--json-out FILE]
+    .venv/bin/python bench/sync_bench.py --delta [--repeats 5]      # delta vs dense (`bench_delta`)
 
 What training runs use: the `mrl_shm` engine driven through vLLM's weight-transfer routes
 (start/update/finish), loading through vLLM's layer-wise reload. The headline, printed to stderr and under `summary`:
@@ -49,6 +50,7 @@ Prints one JSON object (also written to --json-out).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import shutil
@@ -78,6 +80,7 @@ from megatron_rl.megatron.actor import Actor, init_parallel, unwrap  # noqa: E40
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
 from megatron_rl.rollout.engines import MOE_LOAD, MOE_LOADS  # noqa: E402
+from megatron_rl.rollout.server import RolloutServer  # noqa: E402
 from megatron_rl.sync import sync_weights  # noqa: E402
 from megatron_rl.sync.shm import SharedSegmentTransport  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
@@ -94,6 +97,10 @@ LARGE = {
     "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 512,
     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }
+
+
+DELTA = {**LARGE, "num_hidden_layers": 14}
+"""--delta: the same Qwen3-MoE with 14 layers, in bf16: 214,021,120 parameters = 428 MB."""
 
 
 def hf_param_count(c: dict[str, Any]) -> int:
@@ -380,6 +387,126 @@ def bench_model(name: str, fields: dict[str, Any], work: Path, repeats: int, buc
     return result
 
 
+class _Bf16Server(RolloutServer):
+    """The tests' server settings (`start_server`: fp32), in bf16: the trainer's sync dtype."""
+
+    def __init__(self, model: str, run_dir: Path, cfg: RolloutConfig, **kwargs: Any) -> None:
+        super().__init__(model, run_dir, dataclasses.replace(cfg, dtype="bfloat16"), **kwargs)
+
+
+class _Digesting:
+    """The transport, checksumming what the trainer hands it (the delta policy left alone)."""
+
+    def __init__(self, inner: SharedSegmentTransport) -> None:
+        self.inner, self.digests = inner, {}
+        self.stats = inner.stats
+
+    def begin(self, version: int) -> None:
+        self.inner.begin(version)
+
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        from megatron_rl.rollout.engines.digest import tensor_digest
+
+        self.digests.update({n: tensor_digest(t) for n, t in tensors.items()})
+        self.inner.send_bucket(tensors)
+
+    def finish(self, names: list[str]) -> dict[str, Any]:
+        result = self.inner.finish(names)
+        self.stats = self.inner.stats
+        return result
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+def bench_delta(work: Path, repeats: int, bucket_bytes: int) -> dict[str, Any]:
+    """Delta vs dense syncs of one bf16 MoE (`DELTA`) into one real server, side by side: before
+    each pair, one optimizer step of the recipe's AdamW (lr 1e-6, weight decay 0.1, β2 0.95,
+    recipes/base/medical_rl.yaml) on a random GRPO batch; then the same weights through a delta
+    transport and through a dense one (each its own segments in /dev/shm). Medians of `repeats`
+    pairs. At the end one more step, synced by both with the workers checksumming every tensor
+    they load: equal to the trainer's, and the server's log-probs equal after either."""
+    from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig
+    from megatron_rl.megatron.actor import Training
+    from megatron_rl.rollout.client import RolloutClient
+    from megatron_rl.sync.diagnose import compare
+    from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
+    from tests.mp.layouts_worker import make_batch
+
+    model_dir = tiny_model_with_tokenizer(DELTA, work / "delta" / "model", seed=4)
+    hf = read_hf_config(str(model_dir))
+    adapter = weight_map(hf)
+    init_parallel(ParallelismConfig(), seed=1)
+    trainer = TrainerConfig(lr=1e-6, weight_decay=0.1, adam_beta2=0.95, lr_decay_style="cosine")
+    actor = Actor(build_model(hf, ParallelismConfig(), torch.bfloat16), 2,
+                  Training(trainer, ParallelismConfig(), total_updates=100))
+    load_hf_into_model(actor.model, str(model_dir), adapter)
+    actor.optimizer.reload_model_params()
+    batch = make_batch(hf["vocab_size"], rows=4, length=32)
+    step_s: list[float] = []
+
+    def train(step: int) -> None:
+        t = time.perf_counter()
+        batch.old_logprobs = actor.compute_logprobs(batch, temperature=1.0)
+        batch.ref_logprobs = batch.old_logprobs.clone()
+        actor.train_step(batch, AlgorithmConfig(), temperature=1.0, rl_step=step)
+        step_s.append(time.perf_counter() - t)
+
+    server = start_server(model_dir, work / "delta" / "run", server_cls=_Bf16Server)
+    delta = SharedSegmentTransport([server], segment_bytes=bucket_bytes, delta="on", dense_every=10**6)
+    dense = SharedSegmentTransport([server], segment_bytes=bucket_bytes)
+    version, pairs = 0, []
+
+    def sync(t: Any) -> Any:
+        nonlocal version
+        version += 1
+        report = sync_weights(actor.model, adapter, t, version, torch.bfloat16)
+        assert report is not None and report.sent is not None
+        return report
+
+    try:
+        sync(delta), sync(dense)                                   # the first rounds: whole
+        for step in range(repeats):
+            train(step)
+            d, w = sync(delta), sync(dense)
+            assert not d.sent["dense"] and w.sent["dense"], (d.sent, w.sent)
+            pairs.append({"delta_s": d.seconds, "dense_s": w.seconds, "delta_bytes": d.sent["bytes"],
+                          "dense_bytes": w.sent["bytes"], "changed_frac": d.sent["changed_frac"]})
+        train(repeats)
+        probe = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37]] * 2
+        client = RolloutClient.for_server(server)
+        checks = {}
+        for name, t in (("delta", delta), ("dense", dense)):
+            server.rpc("mrl_digest_arm")
+            recorder = _Digesting(t)
+            sync(recorder)
+            differ = compare(recorder.digests, [(server.base_url, server.rpc("mrl_digests"))]).differ
+            checks[name] = {"tensors": len(recorder.digests), "differ": sorted(differ),
+                            "logprobs": client.prompt_logprobs(probe), "dense": recorder.stats.dense}
+    finally:
+        delta.close()
+        dense.close()
+        server.stop()
+    med = {k: _median([p[k] for p in pairs]) for k in pairs[0]}
+    summary = {"changed_frac": med["changed_frac"], "delta_bytes": med["delta_bytes"],
+               "dense_bytes": med["dense_bytes"], "bytes_ratio": med["delta_bytes"] / med["dense_bytes"],
+               "delta_s": med["delta_s"], "dense_s": med["dense_s"], "time_ratio": med["delta_s"] / med["dense_s"],
+               "digests_equal": checks["delta"]["differ"] == checks["dense"]["differ"] == [] and
+               checks["delta"]["tensors"] == checks["dense"]["tensors"] > 0 and not checks["delta"]["dense"],
+               "logprobs_equal": checks["delta"]["logprobs"] == checks["dense"]["logprobs"],
+               "targets": {"bytes_ratio": 0.10, "time_ratio": 0.4}}
+    print(f"[sync_bench] delta: changed {summary['changed_frac']:.4f}, bytes {summary['bytes_ratio']:.3f} of dense, "
+          f"time {summary['delta_s']:.3f} s vs {summary['dense_s']:.3f} s ({summary['time_ratio']:.2f}x), "
+          f"digests equal {summary['digests_equal']}", file=sys.stderr, flush=True)
+    return {"summary": summary, "pairs": pairs, "median": med, "train_step_s": step_s,
+            "model": {"fields": DELTA, "parameters": hf_param_count(DELTA), "bytes": 2 * hf_param_count(DELTA),
+                      "dtype": "bfloat16"},
+            "optimizer": {"lr": trainer.lr, "weight_decay": trainer.weight_decay, "adam_beta2": trainer.adam_beta2,
+                          "lr_decay_style": trainer.lr_decay_style},
+            "checks": {k: {kk: vv for kk, vv in v.items() if kk != "logprobs"} for k, v in checks.items()},
+            "segment_bytes": bucket_bytes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "sync_bench",
@@ -391,6 +518,7 @@ def main() -> None:
     ap.add_argument("--moe-load", choices=MOE_LOADS, default=MOE_LOAD,
                     help="how the server loads the MoE experts (rollout/engines/shm.py)")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--delta", action="store_true", help="delta vs dense syncs of a bf16 MoE (bench_delta)")
     args = ap.parse_args()
     # SIGTERM → SystemExit, so the finally blocks stop the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -407,7 +535,10 @@ def main() -> None:
                            "loadavg_start": os.getloadavg(), "models": {}}
     init_process_group()
     try:
-        for name in args.models.split(","):
+        if args.delta:
+            out["benchmark"] = "weight_sync_delta"
+            out["delta"] = bench_delta(args.dir, max(5, args.repeats), args.bucket_mb << 20)
+        for name in [] if args.delta else args.models.split(","):
             out["models"][name] = bench_model(name, specs[name], args.dir, args.repeats, args.bucket_mb << 20,
                                               args.moe_load)
     finally:

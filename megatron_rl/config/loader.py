@@ -197,7 +197,10 @@ def _convert(tp: Any, value: Any, path: tuple[str, ...], pos: Positions, problem
                 continue
         raise _Invalid
     if origin is Literal:
-        if value in typing.get_args(tp) and not isinstance(value, bool):
+        choices = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):
+            return "on" if value else "off"     # YAML 1.1 reads an unquoted on/off as a bool
+        if value in choices and not isinstance(value, bool):
             return value
         raise _Invalid
     if origin is list:

@@ -257,6 +257,32 @@ def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return []
 
 
+def delta_sync_where(cfg: RecipeConfig) -> str | None:
+    """Why this recipe's syncs cannot be deltas (`sync/delta.py`), or None: they can (weight
+    transfer `shm` to servers on the trainer's one node)."""
+    r = cfg.rollout
+    if r.weight_transfer != "shm":
+        return f"weight_transfer {r.weight_transfer!r} sends every version whole"
+    if r.placement == "disaggregated":
+        return "servers on rollout nodes read a new directory of the shared run dir every update"
+    if cfg.parallelism.nodes > 1:
+        return "a sender per node (colocated over several nodes) sends every version whole"
+    if r.sleep_level == 2:
+        return "a level-2 sleep drops the servers' weights, which every sync then refills whole"
+    return None
+
+
+@rule("sync-delta")
+def _sync_delta(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    """`rollout.sync_delta: on` where the transport sends every version whole, refused before the
+    run (the transport refuses it at start-up too)."""
+    why = delta_sync_where(cfg)
+    if cfg.rollout.sync_delta == "on" and why is not None:
+        return [Finding("error", "sync-delta", "rollout.sync_delta",
+                        f"'on' is not supported here: {why}; use 'auto' (whole syncs here) or 'off'")]
+    return []
+
+
 @rule("rollout-server-fits-a-node")
 def _server_per_node(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     # vLLM is started once per node (the sbatch script's rollout step, or each trainer node's first

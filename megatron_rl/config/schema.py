@@ -201,6 +201,16 @@ class RolloutConfig:
     broadcast from rank 0's GPU to every worker of every server; 'ipc' = CUDA IPC handles to
     servers on rank 0's node. The GPU backends keep no copy: a server that restarts stops the run
     (resume from the checkpoint)."""
+    sync_delta: Literal["auto", "on", "off"] = "auto"
+    """Send only the elements an optimizer step changed (`sync/delta.py`): 'auto' = where the
+    transport supports it, i.e. 'shm' to servers on the trainer's node (each tensor compared with
+    the last version kept in /dev/shm; dense elsewhere); 'on' = there, and refused where not
+    supported; 'off' = every version whole. Rounds that go whole anyway: the first, every
+    `sync_dense_every`-th, a diagnosis' re-send, one after a failed round, and one whose tensors
+    differ from the last round's (LoRA/QLoRA's first syncs); a tensor whose changed fraction
+    passes the break-even (1/3 in bf16) goes whole. Bit-identical to a dense sync."""
+    sync_dense_every: int = spec(20, ge=1)
+    """With delta sync, every N-th version is sent whole all the same (a safety net; 1 = always)."""
     verify_every: int = spec(1, ge=0)
     """Verify the server's log-probs against the trainer's every N syncs (0 = never)."""
     verify_tolerance: float | None = spec(None, gt=0.0)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..topology import transport_bucket_bytes
 from ..weights.map import WeightAdapter
+from .delta import Mode
 from .gpu import IpcTransport, NcclTransport
 from .routes import EngineServer
 from .shm import SharedSegmentTransport
@@ -67,6 +68,9 @@ class SyncReport:
     """Hand-overs to the transport: parts of layers (`sharding.GATHER_CHUNK_BYTES`)."""
     seconds: float
     server: dict[str, Any]
+    sent: dict[str, Any] | None = None
+    """What went to the servers (`delta.DeltaStats.report`: bytes, changed_frac, dense), where the
+    transport says (shm); else every byte was sent."""
 
 
 def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Transport | None, version: int,
@@ -103,20 +107,28 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
         raise
     if not rank0:
         return None
-    return SyncReport(version, len(names), total, sends, time.perf_counter() - start, server)
+    stats = getattr(sender, "stats", None)
+    sent = stats.report() if stats is not None else None
+    return SyncReport(version, len(names), total, sends, time.perf_counter() - start, server, sent)
 
 
 def make_transport(backend: Backend, servers: Sequence[EngineServer], sync_root: Path | None,
-                   segment_bytes: int, device: torch.device | None = None) -> tuple[Transport, list[Any]]:
+                   segment_bytes: int, device: torch.device | None = None, *, delta: Mode = "off",
+                   dense_every: int = 20) -> tuple[Transport, list[Any]]:
     """The sender rank 0 hands to `sync_weights`, and per server the object its supervisor re-sends
     weights through (`latest`, `resend_latest`, `supervise`, `close`). `segment_bytes` is
     `rollout.sync_bucket_mb` (the GPU backends' bucket, which `ipc` caps). The GPU backends send
-    from `device`, by default this rank's current CUDA device (where the gather puts the weights)."""
+    from `device`, by default this rank's current CUDA device (where the gather puts the weights).
+    `delta`, `dense_every`: `rollout.sync_delta`, `rollout.sync_dense_every` (shm only)."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if backend == "shm":
-        shared = SharedSegmentTransport(servers, sync_root, segment_bytes=segment_bytes)
+        shared = SharedSegmentTransport(servers, sync_root, segment_bytes=segment_bytes, delta=delta,
+                                        dense_every=dense_every)
         return shared, list(shared.links)
+    if delta == "on":
+        raise ValueError(f"rollout.sync_delta: 'on' is supported by weight_transfer 'shm' only, not {backend!r} "
+                         "(use 'auto': dense there)")
     if device is None or device.type != "cuda":
         raise ValueError(f"rollout.weight_transfer: {backend!r} sends from a CUDA device; this trainer has "
                          f"{device}. Use 'shm' without GPUs")

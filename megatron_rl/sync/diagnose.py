@@ -50,6 +50,9 @@ class DigestingTransport:
 
     def begin(self, version: int) -> None:
         self.digests, self.error = {}, None
+        policy = getattr(self.inner, "policy", None)
+        if policy is not None:          # a delta sync's: whole, the workers' checksums are of whole tensors
+            policy.dense_next = True
         self.inner.begin(version)
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -41,7 +41,7 @@ import torch
 from ..ports import free_port
 from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, open_group
 from ..topology import ipc_devices
-from .routes import EngineLink, EngineServer, one_result
+from .routes import EngineLink, EngineServer, on_every_server, one_result, round_deadline_s
 
 
 def _meta(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -173,11 +173,14 @@ class _GpuTransport:
         self.flush()
         if sorted(self.sent) != sorted(names):
             raise RuntimeError(f"weight update incomplete: {len(self.sent)} tensors sent, {len(names)} expected")
-        results = []
-        for link in self.links:
+        def close(link: GpuLink) -> dict[str, Any]:
             # version None: finished, not yet committed (vLLM's GPU engines carry no version)
             link.finish(self.version, self.sent_bytes, expect={"version": None, "tensors": len(names)})
-            results.append(one_result(link.server.rpc("mrl_commit_version", str(self.version))))
+            return one_result(link.server.rpc("mrl_commit_version", str(self.version)))
+
+        # Every server finalises its reloaded layers at once (audit 3 finding 7).
+        results = on_every_server([link.server for link in self.links], [partial(close, link) for link in self.links],
+                                  "the weight sync's finish", round_deadline_s(self.sent_bytes))
         return {**results[0], "servers": len(results)}
 
     def abort(self) -> None:

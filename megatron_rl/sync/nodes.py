@@ -10,8 +10,9 @@ Qwen3-Next-80B on 8 nodes, 160 GB written to the file system and fetched by 7 ot
 step (`topology.sync_traffic`).
 
 Rank 0 still drives every server's weight-transfer round (`routes.py`), each with its node's
-manifest, and keeps, per node, the latest complete update that node holds: a restarted server is
-brought back from its own node's segments (`ShmLink.resend_latest`).
+manifest and all at once (`shm.load_everywhere`), and keeps, per node, the latest complete update
+that node holds: a restarted server is brought back from its own node's segments
+(`ShmLink.resend_latest`).
 
 The stream, on the group (source: global rank 0). Every sender hands every part of the gather to
 its transport in step (`sync_weights`; the other senders' parts are empty), so each part is one
@@ -46,7 +47,7 @@ from ..rollout.engines import MOE_LOAD
 from ..rollout.engines.loaded import views
 from ..topology import ShmSender
 from .routes import EngineServer
-from .shm import ALIGN, SegmentWriter, ShmLink
+from .shm import ALIGN, SegmentWriter, ShmLink, load_everywhere
 
 Entry = list[Any]
 """[name, dtype, shape, 0, offset]: one tensor of a bucket (the manifest's format, segment 0)."""
@@ -256,10 +257,11 @@ class NodeShmTransport(_NodeSender):
         for s, r in zip(self.senders[1:], reports[1:]):
             copy = self.copies[s.node]
             copy.latest, copy.overwritten = (self.version, r["manifest"], Path(r["dir"])), False
-        results = []
+        manifests = []
         for link in self.links:
             assert link.latest is not None, "every node's copy is complete (checked above)"
-            results.append(link.supervise("the weight sync", link.load, self.version, link.latest[1]))
+            manifests.append(link.latest[1])
+        results = load_everywhere(self.links, self.version, manifests)
         return {**results[0], "servers": len(results), "senders": len(self.senders), "buckets": self.buckets,
                 "alone": self.alone}
 

@@ -15,8 +15,10 @@ payloads); the engines that receive it are in `rollout/engines/`.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..rollout.server import CONTROL_TIMEOUT_S
 
@@ -49,6 +51,63 @@ def update_timeout_s(nbytes: float) -> float:
     """Seconds an update request (/update_weights, /finish_weight_update) may take for `nbytes`:
     at least a control request's CONTROL_TIMEOUT_S, plus `nbytes` at the floor rate."""
     return CONTROL_TIMEOUT_S + max(0.0, nbytes) / UPDATE_FLOOR_BYTES_PER_S
+
+
+T = TypeVar("T")
+
+ROUND_REQUESTS = 8
+"""Requests of one engine round (`EngineLink.round`: pause … resume, the workers' check)."""
+RESTART_ROUNDS = 6
+"""Rounds one server's call may run: the first and one per supervised restart
+(`ServerSupervisor.max_restarts`, 5)."""
+
+
+def round_deadline_s(nbytes: float) -> float:
+    """The longest one server's supervised round of `nbytes` may take before the trainer stops
+    waiting for it: every request of every round at its own timeout. A healthy round never gets
+    near it (each request ends at its timeout, a dead server at once); it bounds a thread that
+    would otherwise be waited for for ever."""
+    return RESTART_ROUNDS * (ROUND_REQUESTS * CONTROL_TIMEOUT_S + 2 * update_timeout_s(nbytes))
+
+
+class ServersFailed(RuntimeError):
+    """The round failed on some servers (each named, with its error); the others completed it."""
+
+
+def on_every_server(servers: Sequence[EngineServer], calls: Sequence[Callable[[], T]], what: str,
+                    deadline_s: float) -> list[T]:
+    """`calls[k]()` for server k, all at once, one thread each (one server: here, as it is).
+
+    Each server's round is its own: a server that fails (or is restarted under its supervisor)
+    holds up no other, and every server's round is waited for to its end (none is left paused)
+    before the errors are raised together, each naming its server. A thread still running after
+    `deadline_s` is given up on (named too): its requests have timeouts of their own, so that
+    happens only if one ignored them."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    results: list[Any] = [None] * len(calls)
+    errors: dict[int, BaseException] = {}
+
+    def run(k: int) -> None:
+        try:
+            results[k] = calls[k]()
+        except BaseException as exc:     # noqa: BLE001 - raised below, naming the server
+            errors[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"{what} {s.base_url}", daemon=True)
+               for k, s in enumerate(servers)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + deadline_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [k for k, t in enumerate(threads) if t.is_alive()]
+    if errors or hung:
+        lines = [f"{servers[k].base_url}: {type(e).__name__}: {e}" for k, e in sorted(errors.items())]
+        lines += [f"{servers[k].base_url}: no answer after {deadline_s:.0f} s" for k in hung]
+        first = errors[min(errors)] if errors else None
+        raise ServersFailed(f"{what} failed on {len(lines)} of {len(calls)} servers: " + "; ".join(lines)) from first
+    return results
 
 
 def direct(phase: str, fn: Callable[..., Any], *args: Any) -> Any:

@@ -111,6 +111,9 @@ class RolloutFleet:
         if not self.rank0:
             return
         if group is not None:
+            if r.sync_delta == "on":
+                raise ValueError("rollout.sync_delta: 'on' is not supported with a sender per node (colocated "
+                                 "over several nodes) yet; use 'auto' (dense there) or 'off'")
             # Colocated over several nodes: each node's first rank writes its node's /dev/shm copy.
             node_transport = NodeShmTransport(self.servers, senders, group, segment_bytes=r.sync_bucket_mb << 20,
                                               device=compute_device())
@@ -123,8 +126,10 @@ class RolloutFleet:
             # nodes read the shared run dir.
             lone = len(self.servers) == 1 and self.servers[0] is self.own_server
             sync_root = None if lone else self.run_dir / "rollout" / "sync"
+            delta = "off" if r.sleep_level == 2 else r.sync_delta       # the wake-up leaves no weights to patch
             self.transport, self.transports = make_transport(r.weight_transfer, self.servers, sync_root,
-                                                             r.sync_bucket_mb << 20)
+                                                             r.sync_bucket_mb << 20, delta=delta,
+                                                             dense_every=r.sync_dense_every)
         if self.cfg.lora.base_quantization != "none":
             for link in self.transports:
                 if isinstance(link, ShmLink):
@@ -333,7 +338,10 @@ class _Supervised:
 def sync_metrics(report: SyncReport | None) -> dict[str, float]:
     if report is None:
         return {}
-    return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts}
+    sent = report.sent or {"bytes": report.bytes, "changed_frac": 1.0, "dense": 1}
+    return {"sync/seconds": report.seconds, "sync/mb": report.bytes / 2**20, "sync/parts": report.parts,
+            "sync/bytes": float(sent["bytes"]), "sync/changed_frac": float(sent["changed_frac"]),
+            "sync/dense": float(sent["dense"])}
 
 
 def generate_groups(client: RolloutClient | MultiClient, prompts: Sequence[list[int]],

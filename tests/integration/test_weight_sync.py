@@ -94,3 +94,65 @@ def test_a_worker_that_loaded_other_than_what_was_sent_fails_the_call(demo_weigh
     with pytest.raises(ServerError, match=message + rf" \{{'version': {version + 1}\}}"):
         server.rpc("mrl_check_loaded", json.dumps({"version": version + 1}))
     assert server.alive() and [int(v) for v in server.rpc("mrl_weight_version")] == [version]   # still serving
+
+
+def test_delta_sync_is_bit_identical_and_a_wrong_index_is_named(demo_weights_server: RolloutServer,
+                                                                 tmp_path: Path) -> None:
+    """A delta round through the real `mrl_shm` engine and vLLM's patch loader: every tensor the
+    workers load is the new version's, bit for bit (a digest of each), and the server computes the
+    same log-probs as after a dense sync of the same weights. One wrong index in a patch (an
+    unchanged place written, the changed one left) is named by the checksums."""
+    import torch
+
+    from megatron_rl.rollout.engines.digest import tensor_digest
+    from megatron_rl.sync.delta import changed
+    from megatron_rl.sync.diagnose import compare
+    from megatron_rl.sync.shm import SharedSegmentTransport
+    from megatron_rl.weights.hf_io import HFCheckpointReader
+    from tests.helpers.rollout import demo_assets
+
+    server = demo_weights_server
+    reader = HFCheckpointReader(demo_assets()["model"])
+    names = sorted(reader.names())
+    v1 = {n: reader.get(n) for n in names}
+    g = torch.Generator().manual_seed(7)
+    v2 = {n: torch.where(torch.rand(x.shape, generator=g) < 0.03, x * 1.001 + 1e-4, x) for n, x in v1.items()}
+    probe = [[1, 5, 9, 13, 17, 21, 25, 29]] * 2
+    client = RolloutClient.for_server(server)
+
+    corrupted: list[str] = []
+
+    def sync(t: SharedSegmentTransport, version: int, state: dict, corrupt: bool = False) -> dict:
+        server.rpc("mrl_digest_arm")
+        t.begin(version)
+        t.send_bucket(state)
+        if corrupt:      # one index of the first sparse patch points at an unchanged place
+            assert t.delta is not None and t.patch_area is not None
+            p = next(p for p in t.delta.patches if p.index_dtype is not None)
+            idx = t.patch_area.view(p.indices_at, p.count, getattr(torch, p.index_dtype))
+            free = sorted(set(range(int(idx.max()) + 2)) - set(idx.tolist()))[0]
+            idx[0] = free
+            corrupted.append(p.name)
+        t.finish(names)
+        return compare({n: tensor_digest(x) for n, x in state.items()},
+                       [(server.base_url, server.rpc("mrl_digests"))]).differ
+
+    delta = SharedSegmentTransport([server], None, segment_bytes=16 << 20, delta="auto")
+    dense = SharedSegmentTransport([server], None, segment_bytes=16 << 20)
+    try:
+        assert sync(delta, 2_000_001, v1) == {} and delta.stats.dense
+        assert sync(delta, 2_000_002, v2) == {}                    # every tensor as sent
+        assert not delta.stats.dense and 0.02 < delta.stats.report()["changed_frac"] < 0.04
+        touched = sum(bool(changed(v2[n], v1[n]).numel()) for n in names)
+        assert one_result(server.rpc("mrl_loaded"))["patched"] == touched > len(names) // 2
+        after_delta = client.prompt_logprobs(probe)
+        assert sync(dense, 2_000_003, v2) == {}
+        assert client.prompt_logprobs(probe) == after_delta          # the same weights: the same numbers
+        # The server and the delta transport's segments both hold v2 again: the next round is a delta.
+        v3 = {n: torch.where(torch.rand(x.shape, generator=g) < 0.03, x * 1.001 + 1e-4, x) for n, x in v2.items()}
+        differ = sync(delta, 2_000_004, v3, corrupt=True)
+        assert not delta.stats.dense and list(differ) == corrupted, differ
+        assert "other values" in next(iter(differ[corrupted[0]]))
+    finally:
+        delta.close()
+        dense.close()

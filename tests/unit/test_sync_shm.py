@@ -7,6 +7,8 @@ test_weight_transfer.py, test_verification_servers.py and test_disaggregated.py.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engines.loaded import check_loaded, views
+from megatron_rl.sync.routes import ServersFailed
 from megatron_rl.sync.shm import ALIGN, SegmentLayout, SharedSegmentTransport
 
 
@@ -30,17 +33,29 @@ class EngineRecorder:
         self.version = 0
         self.lie = False
         self.timeouts: dict[str, float] = {}
+        self.meet: threading.Barrier | None = None
+        """Set: each load waits there for the other servers' loads (which must be under way too)."""
+        self.load_spans: list[tuple[float, float]] = []
+        self.fail = ""
+        self.patched = 0
 
     def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
         self.calls.append(path)
         self.timeouts[path] = timeout
         if path == "/update_weights":
+            start = time.monotonic()
+            if self.meet is not None:
+                self.meet.wait()
+            if self.fail:
+                raise RuntimeError(self.fail)
             info = body["update_info"]
             self.manifests.append(info)
             segments = [torch.frombuffer(bytearray(Path(p).read_bytes()[:size]), dtype=torch.uint8)
                         for p, size in info["segments"]]
             self.loaded = {name: t.clone() for name, t in views(info["tensors"], segments)}
+            self.patched = _apply_patches(self.loaded, info)
             self.version = info["version"]
+            self.load_spans.append((start, time.monotonic()))
         if path == "/finish_weight_update":
             assert body == {"weight_version": str(self.version)}
 
@@ -50,6 +65,22 @@ class EngineRecorder:
         assert method == "mrl_check_loaded"
         record = {"version": self.version, "tensors": len(self.loaded) - self.lie}
         return [check_loaded(record, args[0], f"worker {i}") for i in range(2)]
+
+
+def _apply_patches(loaded: dict[str, torch.Tensor], info: dict[str, Any]) -> int:
+    """A delta round's patches (`sync/delta.PatchEntry` rows) onto the previous version, decoded
+    here independently of the engine: indices and values at their places in the patch files."""
+    files = [Path(p).read_bytes()[:size] for p, size in info.get("patch_segments", [])]
+    for name, dtype, _shape, index_dtype, count, (iseg, ioff), (vseg, voff) in info.get("patches", []):
+        dt = getattr(torch, dtype)
+        values = torch.frombuffer(bytearray(files[vseg][voff:voff + count * dt.itemsize]), dtype=dt)
+        flat = loaded[name].reshape(-1)
+        if index_dtype is None:
+            flat.copy_(values)
+        else:
+            it = getattr(torch, index_dtype)
+            flat[torch.frombuffer(bytearray(files[iseg][ioff:ioff + count * it.itemsize]), dtype=it).long()] = values
+    return len(info.get("patches", []))
 
 
 ROUND = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "mrl_check_loaded",
@@ -302,6 +333,31 @@ def test_two_servers_read_one_written_copy_per_version(tmp_path: Path) -> None:
             assert len(dirs) == 1
             written = sum(f.stat().st_size for f in dirs[0].iterdir())
             assert written < 2 * sum(t.nbytes for t in state.values())               # one copy, not two
+    finally:
+        transport.close()
+
+
+def test_every_server_loads_at_once_and_a_failing_one_is_named_after_the_others_finished(tmp_path: Path) -> None:
+    """Audit 3 finding 7: the servers loaded one after another. Each load here waits at a barrier
+    for the other server's load, which only passes if both are under way at the same time (one
+    after another, the first waits out the barrier's timeout and the sync fails)."""
+    servers = [EngineRecorder("a"), EngineRecorder("b")]
+    meet = threading.Barrier(2, timeout=20)
+    for s in servers:
+        s.meet = meet
+    transport = SharedSegmentTransport(servers, tmp_path / "sync", segment_bytes=1 << 10)
+    try:
+        state = _state(1)
+        assert _send(transport, 1, state)["servers"] == 2
+        (a0, a1), (b0, b1) = servers[0].load_spans[-1], servers[1].load_spans[-1]
+        assert a0 < b1 and b0 < a1                                      # the two loads overlap in time
+        for s in servers:
+            assert all(torch.equal(s.loaded[n], t) for n, t in state.items())
+        servers[1].fail = "its /dev/shm vanished"
+        with pytest.raises(ServersFailed, match=r"failed on 1 of 2 servers: http://b: RuntimeError: its /dev/shm"):
+            _send(transport, 2, _state(2))
+        assert servers[0].version == 2 and servers[0].calls[-1] == "/resume"    # a's round went through
+        assert servers[1].calls[-1] == "/resume"                               # b serves again (old weights)
     finally:
         transport.close()
 

@@ -13,6 +13,16 @@ existing kernel tensors; then the CPU fused-MoE experts are re-packed, which vLL
 weight update. (Loading straight into the live parameters is not an option on CPU: vLLM re-packs
 every CPU linear weight into a oneDNN handle and empties the parameter.)
 
+A delta round (`sync/delta.py`) also names patches in checkpoint coordinates (HF name, flat
+indices, values) in patch files beside the segments, which hold the previous version. They are
+applied through vLLM 0.32's own patch loader (`load_checkpoint_weight_patches`: NaN-staged,
+masked final copy, validated indices): on a GPU worker into the live weights, in place and without
+the layer-wise reload (that loader's contract, as vLLM's `sparse_nccl` engine does); on a CPU
+worker into a host copy of the checkpoint tensor, which the layer-wise reload then loads like a
+dense update, because vLLM re-packs every CPU linear weight into a oneDNN (or sgl) handle and
+leaves the parameter empty (`vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm`,
+`remove_weight`), so there is nothing in place to patch.
+
 Registered by the worker extension's import (`engines.register`, before the model loads); the
 server runs with `--weight-transfer-config '{"backend":"mrl_shm"}'`.
 """
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -52,6 +63,12 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     """[path, size] per segment file."""
     tensors: list[list[Any]] = field(default_factory=list)
     """[hf_name, dtype, shape, segment, offset] per tensor."""
+    patch_segments: list[list[Any]] = field(default_factory=list)
+    """A delta round's patch files, [path, size] each."""
+    patches: list[list[Any]] = field(default_factory=list)
+    """A delta round's patches, [hf_name, dtype, shape, index dtype (None: whole), count, [file,
+    offset] of the indices, [file, offset] of the values] (`sync/delta.PatchEntry`); `tensors` are
+    then the previous version."""
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -64,6 +81,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.moe_load = MOE_LOAD
         self.maps: dict[tuple[str, int, int], tuple[mmap.mmap, torch.Tensor]] = {}
         self.round: dict[str, Any] = {}
+        self.reloading = False
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         if init_info.moe_load not in MOE_LOADS:
@@ -72,31 +90,51 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.maps.clear()
 
     def start_weight_update(self) -> None:
+        self.reloading = False
+        self.round = {"version": None, "tensors": 0, "names": [], "patched": 0}
+
+    def _reload(self) -> None:
+        """Enter vLLM's layer-wise reload (once per round; not for a GPU delta, applied in place)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        if self.reloading:
+            return
         initialize_layerwise_reload(self.model)
         if self.moe_load == "in_place" and self.device.type == "cpu":
             _experts_out_of_reload(self.model)
-        self.round = {"version": None, "tensors": 0, "names": []}
+        self.reloading = True
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        segments = self._map(update_info.segments)
+        mapped = self._map(update_info.segments + update_info.patch_segments)
+        segments, patch_files = mapped[:len(update_info.segments)], mapped[len(update_info.segments):]
+        patches = [checkpoint_patch(row, patch_files) for row in update_info.patches]
         with disable_mtp_completeness_check(), loads_recorded(self.model):
-            cast(Any, self.model).load_weights(views(update_info.tensors, segments))
+            if patches and self.device.type == "cuda":
+                patch_in_place(self.model, patches, self.device)
+            else:
+                self._reload()
+                weights = views(update_info.tensors, segments)
+                cast(Any, self.model).load_weights(patched(weights, patches) if patches else weights)
         self.round["version"] = int(update_info.version)
         self.round["tensors"] += len(update_info.tensors)
         self.round["names"] += [t[0] for t in update_info.tensors]
+        self.round["patched"] += len(patches)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self.reloading:
+            finalize_layerwise_reload(self.model, self.model_config)
         if not self.round.get("tensors"):
             return      # every layer kept its packed tensors: packing them again would corrupt them
-        repacked = repack_cpu_moe(self.model, self.round["names"])
+        repacked = repack_cpu_moe(self.model, self.round["names"]) if self.reloading else 0
         LOADED.update(version=self.round["version"], tensors=self.round["tensors"], moe_layers_repacked=repacked)
+        if self.round["patched"]:
+            LOADED["patched"] = self.round["patched"]
+        else:
+            LOADED.pop("patched", None)
 
     def shutdown(self) -> None:
         self.maps.clear()
@@ -115,6 +153,79 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         for key in set(self.maps) - set(keys):
             del self.maps[key]      # unmapped once vLLM holds no view into it either
         return [self.maps[k][1] for k in keys]
+
+
+def checkpoint_patch(row: list[Any], files: list[torch.Tensor]) -> Any:
+    """A manifest patch row (`sync/delta.PatchEntry`) as vLLM's `CheckpointWeightPatch`, its
+    indices and values views into the mapped patch files."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch
+
+    name, dtype, shape, index_dtype, count, (iseg, ioff), (vseg, voff) = row
+    dt = getattr(torch, dtype)
+    values = files[vseg][voff:voff + count * dt.itemsize].view(dt)
+    indices = None
+    if index_dtype is not None:
+        it = getattr(torch, index_dtype)
+        indices = files[iseg][ioff:ioff + count * it.itemsize].view(it)
+    return CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=dt, values=values, indices=indices)
+
+
+PATCH_CHUNK_BYTES = 256 << 20
+"""Patch bytes moved to a GPU worker's device at a time (a delta of Qwen3-235B is ~60 GB)."""
+
+
+def patch_in_place(model: torch.nn.Module, patches: list[Any], device: torch.device) -> None:
+    """GPU worker: the patches into the live weights through vLLM's patch loader, in place, whole
+    tensors and sparse ones in separate calls (the loader takes one kind per call), moved to
+    `device` first so that its NaN staging and masked copies run there."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import load_checkpoint_weight_patches
+
+    for whole in (True, False):
+        group = [p for p in patches if (p.indices is None) == whole]
+        while group:
+            chunk: list[Any] = []
+            size = 0
+            while group and (not chunk or size + group[0].values.nbytes <= PATCH_CHUNK_BYTES):
+                p = group.pop(0)
+                size += p.values.nbytes + (p.indices.nbytes if p.indices is not None else 0)
+                chunk.append(p._replace(values=p.values.to(device),
+                                        indices=None if p.indices is None else p.indices.to(device)))
+            load_checkpoint_weight_patches(model, chunk)
+
+
+class _CheckpointTensors(torch.nn.Module):
+    """Host tensors in checkpoint coordinates as vLLM's patch loader sees a model: `load_weights`
+    copies each tensor it is given into the held one of that name (through the loader's masked
+    `copy_`, which keeps the elements a patch leaves unchanged)."""
+
+    def __init__(self, held: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.held = held
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, t in weights:
+            self.held[name].copy_(t)
+        return set(self.held)
+
+
+def patched(weights: Iterator[tuple[str, torch.Tensor]], patches: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """CPU worker: every tensor of the previous version (`weights`), those with a patch as a copy
+    with the patch applied by vLLM's patch loader; a whole patch as its values."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import load_checkpoint_weight_patches
+
+    by_name = {p.name: p for p in patches}
+    for name, base in weights:
+        p = by_name.pop(name, None)
+        if p is None:
+            yield name, base
+        elif p.indices is None:
+            yield name, p.values.view(p.shape)
+        else:
+            held = {name: base.clone()}
+            load_checkpoint_weight_patches(_CheckpointTensors(held), [p])
+            yield name, held[name]
+    if by_name:
+        raise ValueError(f"mrl_shm: patches for tensors the update does not hold: {sorted(by_name)[:5]}")
 
 
 def _experts_out_of_reload(model: torch.nn.Module) -> int:

@@ -1,0 +1,212 @@
+"""Delta weight sync on the `shm` transport: send only the elements an optimizer step changed.
+
+At RL learning rates (1e-6) one step changes a few percent of the stored bf16 values; a dense sync
+resends every byte. The servers already hold the last version the trainer sent, and so does the
+trainer's host: the in-place segments in /dev/shm (`shm.SegmentWriter`) are that version, byte for
+byte, which a restarted server is brought back from anyway. So each tensor of an update is compared
+with its bytes there (bitwise: a -0.0 or a NaN is a change like any other) and, where it changed,
+the changed elements go into patch files beside the segments as checkpoint-coordinate patches (HF
+name, flat indices, values: vLLM 0.32's `CheckpointWeightPatch`), which every server's `mrl_shm`
+engine applies through vLLM's own patch loader (`rollout/engines/shm.py`). Once every server has
+loaded the round, the trainer writes the same patches into the segments, which then hold the new
+version for the next comparison and for a restarted server (`DeltaRound.apply`). Until then they
+hold the previous version, complete: a server restarted in the middle of the round is brought back
+to it dense and then takes the round's patches like the others.
+
+A tensor whose changed fraction passes the break-even (`break_even`) goes whole (a dense patch). A
+whole round is dense: the first sync (nothing to compare with), every `rollout.sync_dense_every`
+versions (a safety net), a diagnosis' re-send (the checksums compare whole tensors), and a round
+whose stream differs from the last one's (another set or layout of tensors: LoRA's first merged
+sync after the base, QLoRA's first full sync and the adapted-only ones after it), which turns
+dense at the first tensor that differs (`DeltaRound` reports it; the transport then writes in
+place, as a dense round does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+Mode = Literal["auto", "on", "off"]
+
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 flat indices where they fit (vLLM's sparse_nccl engine requires int32), else int64."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def break_even(dtype: torch.dtype, numel: int) -> float:
+    """The changed fraction above which a sparse patch (an index and a value per changed element)
+    costs more bytes than the whole tensor: 1/3 for bf16 with int32 indices, 1/2 for fp32."""
+    value = dtype.itemsize
+    return value / (value + index_dtype(numel).itemsize)
+
+
+def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat indices (int64) where `new` and `old` (same dtype and shape, on the host) differ bitwise."""
+    bits = INT_OF_SIZE[new.element_size()]
+    return torch.nonzero(new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).squeeze(1)
+
+
+@dataclass
+class DeltaStats:
+    """What one round sent: the metrics `sync/bytes`, `sync/changed_frac`, `sync/dense`."""
+
+    bytes: int = 0
+    """Bytes written for the servers to read (patches, or the whole tensors of a dense round)."""
+    changed: int = 0
+    elements: int = 0
+    dense: bool = True
+
+    def report(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "changed_frac": self.changed / max(1, self.elements), "dense": int(self.dense)}
+
+
+@dataclass
+class DeltaPolicy:
+    """Which rounds go dense (`rollout.sync_delta`, `rollout.sync_dense_every`)."""
+
+    mode: Mode = "off"
+    dense_every: int = 20
+    since_dense: int = 0
+    """Delta rounds since the last dense one."""
+    dense_next: bool = False
+    """Set by the diagnosis (`diagnose.DigestingTransport`): its re-send compares whole tensors."""
+
+    def wants_delta(self, has_base: bool) -> bool:
+        if self.mode == "off" or not has_base or self.dense_next:
+            return False
+        return self.since_dense + 1 < self.dense_every
+
+    def done(self, dense: bool) -> None:
+        self.since_dense = 0 if dense else self.since_dense + 1
+        self.dense_next = False
+
+
+@dataclass
+class PatchEntry:
+    """One tensor's patch, a manifest row [name, dtype, shape, index dtype (None: whole), count,
+    [index file, offset], [value file, offset]] (`rollout/engines/shm.py` reads it)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    index_dtype: str | None
+    count: int
+    indices_at: tuple[int, int]
+    values_at: tuple[int, int]
+
+    def row(self) -> list[Any]:
+        return [self.name, self.dtype, self.shape, self.index_dtype, self.count, list(self.indices_at),
+                list(self.values_at)]
+
+
+@dataclass
+class DeltaRound:
+    """One delta round's patches, written into `files` (the patch area) as the tensors come."""
+
+    base: list[list[Any]]
+    """The segments' manifest entries, [name, dtype, shape, segment, offset]: the previous version."""
+    segments: list[torch.Tensor]
+    """The segments' bytes (the previous version until `apply`)."""
+    patches: list[PatchEntry] = field(default_factory=list)
+    stats: DeltaStats = field(default_factory=lambda: DeltaStats(dense=False))
+    staged: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    """Per patch: the segment view it goes into, its indices (None: whole), its values (views of
+    the patch area)."""
+
+    def matches(self, k: int, entry: list[Any]) -> bool:
+        """The k-th tensor of this stream is where the previous version had it (same name, dtype,
+        shape, place): else the round cannot be a delta."""
+        return k < len(self.base) and self.base[k] == entry
+
+    def add(self, t: torch.Tensor, entry: list[Any], area: PatchArea) -> None:
+        name, dtype, shape, segment, offset = entry
+        host = t.detach().to("cpu").contiguous().reshape(-1)        # the trainer's copy, leaving its GPU
+        old = self.segments[segment][offset:offset + t.nbytes].view(t.dtype)
+        where = changed(host, old)
+        self.stats.changed += where.numel()
+        self.stats.elements += host.numel()
+        if not where.numel():
+            return
+        if not t.dtype.is_floating_point or where.numel() > break_even(t.dtype, host.numel()) * host.numel():
+            # Whole (vLLM's sparse patches mark unchanged elements with NaN: floating point only).
+            values_at = area.write(host.view(torch.uint8))
+            self.patches.append(PatchEntry(name, dtype, shape, None, host.numel(), (0, 0), values_at))
+            self.staged.append((old, None, area.view(values_at, host.numel(), t.dtype)))
+            self.stats.bytes += host.nbytes
+            return
+        idx = where.to(index_dtype(host.numel()))
+        indices_at = area.write(idx.view(torch.uint8))
+        values_at = area.write(host[where].view(torch.uint8))
+        self.patches.append(PatchEntry(name, dtype, shape, str(idx.dtype).removeprefix("torch."), idx.numel(),
+                                       indices_at, values_at))
+        self.staged.append((old, area.view(indices_at, idx.numel(), idx.dtype),
+                            area.view(values_at, idx.numel(), t.dtype)))
+        self.stats.bytes += idx.nbytes + idx.numel() * t.element_size()
+
+    def apply(self) -> None:
+        """The patches into the segments, which then hold the new version (after the servers loaded:
+        they read the previous one there)."""
+        for old, idx, values in self.staged:
+            if idx is None:
+                old.copy_(values)
+            else:
+                old[idx.long()] = values
+        self.staged = []
+
+
+class PatchArea:
+    """The patch files of a sync directory (`patch-<k>.bin`), rewritten in place every round (the
+    servers keep them mapped); a patch's indices and values are in one file."""
+
+    def __init__(self, directory: Path, capacity: int) -> None:
+        from .shm import SegmentLayout, _MappedFile
+
+        self.dir, self.capacity = directory, capacity
+        self.files: list[_MappedFile] = []
+        self.layout = SegmentLayout(capacity)
+        self._mapped = _MappedFile
+
+    def begin(self) -> None:
+        from .shm import SegmentLayout
+
+        self.layout = SegmentLayout(self.capacity)
+
+    def write(self, data: torch.Tensor) -> tuple[int, int]:
+        """`data` (uint8) at the next aligned place: (file, offset)."""
+        seg, offset = self.layout.place(data.numel())
+        size = max(self.capacity, self.layout.sizes[seg])
+        if seg == len(self.files):
+            self.files.append(self._mapped(self.dir / f"patch-{seg:05d}.bin", size))
+        elif self.files[seg].size < size:
+            self.files[seg].close()
+            self.files[seg] = self._mapped(self.dir / f"patch-{seg:05d}.bin", size)
+        f = self.files[seg]
+        f.reserve(offset, data.numel())
+        f.bytes[offset:offset + data.numel()].copy_(data)
+        return seg, offset
+
+    def view(self, at: tuple[int, int], count: int, dtype: torch.dtype) -> torch.Tensor:
+        seg, offset = at
+        return self.files[seg].bytes[offset:offset + count * dtype.itemsize].view(dtype)
+
+    def manifest(self) -> list[list[Any]]:
+        return [[str(f.path), f.size] for f in self.files[:len(self.layout.sizes)]]
+
+    def trim(self) -> None:
+        """Delete the files this round did not need (their pages are RAM)."""
+        while len(self.files) > len(self.layout.sizes):
+            f = self.files.pop()
+            f.close()
+            f.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
