@@ -25,8 +25,7 @@ place, as a dense round does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -51,6 +50,15 @@ def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Flat indices (int64) where `new` and `old` (same dtype and shape, on the host) differ bitwise."""
     bits = INT_OF_SIZE[new.element_size()]
     return torch.nonzero(new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).squeeze(1)
+
+
+class PatchArea(Protocol):
+    """Where a round's patches are written (`shm.PatchFiles`): the place of each one written, and
+    a view of what was written there."""
+
+    def write(self, data: torch.Tensor) -> tuple[int, int]: ...
+
+    def view(self, at: tuple[int, int], count: int, dtype: torch.dtype) -> torch.Tensor: ...
 
 
 @dataclass
@@ -159,54 +167,3 @@ class DeltaRound:
             else:
                 old[idx.long()] = values
         self.staged = []
-
-
-class PatchArea:
-    """The patch files of a sync directory (`patch-<k>.bin`), rewritten in place every round (the
-    servers keep them mapped); a patch's indices and values are in one file."""
-
-    def __init__(self, directory: Path, capacity: int) -> None:
-        from .shm import SegmentLayout, _MappedFile
-
-        self.dir, self.capacity = directory, capacity
-        self.files: list[_MappedFile] = []
-        self.layout = SegmentLayout(capacity)
-        self._mapped = _MappedFile
-
-    def begin(self) -> None:
-        from .shm import SegmentLayout
-
-        self.layout = SegmentLayout(self.capacity)
-
-    def write(self, data: torch.Tensor) -> tuple[int, int]:
-        """`data` (uint8) at the next aligned place: (file, offset)."""
-        seg, offset = self.layout.place(data.numel())
-        size = max(self.capacity, self.layout.sizes[seg])
-        if seg == len(self.files):
-            self.files.append(self._mapped(self.dir / f"patch-{seg:05d}.bin", size))
-        elif self.files[seg].size < size:
-            self.files[seg].close()
-            self.files[seg] = self._mapped(self.dir / f"patch-{seg:05d}.bin", size)
-        f = self.files[seg]
-        f.reserve(offset, data.numel())
-        f.bytes[offset:offset + data.numel()].copy_(data)
-        return seg, offset
-
-    def view(self, at: tuple[int, int], count: int, dtype: torch.dtype) -> torch.Tensor:
-        seg, offset = at
-        return self.files[seg].bytes[offset:offset + count * dtype.itemsize].view(dtype)
-
-    def manifest(self) -> list[list[Any]]:
-        return [[str(f.path), f.size] for f in self.files[:len(self.layout.sizes)]]
-
-    def trim(self) -> None:
-        """Delete the files this round did not need (their pages are RAM)."""
-        while len(self.files) > len(self.layout.sizes):
-            f = self.files.pop()
-            f.close()
-            f.path.unlink(missing_ok=True)
-
-    def close(self) -> None:
-        for f in self.files:
-            f.close()
-        self.files = []

@@ -42,7 +42,7 @@ import torch
 
 from ..rollout.engines import MOE_LOAD
 from ..rollout.shm import SYNC_PREFIX
-from .delta import DeltaPolicy, DeltaRound, DeltaStats, Mode, PatchArea
+from .delta import DeltaPolicy, DeltaRound, DeltaStats, Mode
 from .routes import EngineLink, EngineServer, on_every_server, round_deadline_s
 
 ALIGN = 64
@@ -112,6 +112,53 @@ class _MappedFile:
         if self.map is not None:
             self.map.close()
         os.close(self.fd)
+
+
+class PatchFiles:
+    """The patch files of a sync directory (`patch-<k>.bin`), rewritten in place every round (the
+    servers keep them mapped); a patch's indices and values are in one file."""
+
+    def __init__(self, directory: Path, capacity: int) -> None:
+        self.dir, self.capacity = directory, capacity
+        self.files: list[_MappedFile] = []
+        self.layout = SegmentLayout(capacity)
+        self._mapped = _MappedFile
+
+    def begin(self) -> None:
+        self.layout = SegmentLayout(self.capacity)
+
+    def write(self, data: torch.Tensor) -> tuple[int, int]:
+        """`data` (uint8) at the next aligned place: (file, offset)."""
+        seg, offset = self.layout.place(data.numel())
+        size = max(self.capacity, self.layout.sizes[seg])
+        if seg == len(self.files):
+            self.files.append(self._mapped(self.dir / f"patch-{seg:05d}.bin", size))
+        elif self.files[seg].size < size:
+            self.files[seg].close()
+            self.files[seg] = self._mapped(self.dir / f"patch-{seg:05d}.bin", size)
+        f = self.files[seg]
+        f.reserve(offset, data.numel())
+        f.bytes[offset:offset + data.numel()].copy_(data)
+        return seg, offset
+
+    def view(self, at: tuple[int, int], count: int, dtype: torch.dtype) -> torch.Tensor:
+        seg, offset = at
+        return self.files[seg].bytes[offset:offset + count * dtype.itemsize].view(dtype)
+
+    def manifest(self) -> list[list[Any]]:
+        return [[str(f.path), f.size] for f in self.files[:len(self.layout.sizes)]]
+
+    def trim(self) -> None:
+        """Delete the files this round did not need (their pages are RAM)."""
+        while len(self.files) > len(self.layout.sizes):
+            f = self.files.pop()
+            f.close()
+            f.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
 
 
 def _remove_in_creator(path: Path, pid: int) -> None:
@@ -331,7 +378,7 @@ class SharedSegmentTransport(SegmentWriter):
         self.links = [ShmLink(self, s, {"moe_load": moe_load}) for s in servers]
         self.policy = DeltaPolicy(delta if root is None else "off", dense_every)
         self.delta: DeltaRound | None = None
-        self.patch_area: PatchArea | None = None
+        self.patch_area: PatchFiles | None = None
         self.stats = DeltaStats()
         """The last round's `sync/bytes`, `sync/changed_frac`, `sync/dense` (`sync_weights` reports them)."""
 
@@ -342,7 +389,7 @@ class SharedSegmentTransport(SegmentWriter):
             return
         assert self.latest is not None and self.dir is not None
         if self.patch_area is None:
-            self.patch_area = PatchArea(self.dir, self.segment_bytes)
+            self.patch_area = PatchFiles(self.dir, self.segment_bytes)
         self.patch_area.begin()
         # The segments keep the previous version, complete, until every server has loaded this one.
         self.delta = DeltaRound(json.loads(self.latest[1])["tensors"], [f.bytes for f in self.files])

@@ -365,3 +365,10 @@ def test_async_rollout_needs_servers_of_their_own_and_a_correction() -> None:
     assert "async-rollout" not in findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated,
                                            "algorithm.correction.mode=tis_token")
     assert "async-rollout" not in findings("grpo.yaml", "rollout.sleep_level=0")     # synchronous: no rule
+
+
+def test_sync_delta_on_is_refused_where_every_version_goes_whole() -> None:
+    assert "sync-delta" not in findings("grpo.yaml", "rollout.sync_delta=on")       # tiny: shm, one node
+    (msg,) = findings("grpo.yaml", "rollout.sync_delta=on", "rollout.sleep_level=2")["sync-delta"]
+    assert msg.startswith("error|rollout.sync_delta|") and "level-2 sleep" in msg and "'auto'" in msg
+    assert "sync-delta" not in findings("grpo.yaml", "rollout.sync_delta=auto", "rollout.sleep_level=2")
