@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from ..config.loader import write_resolved
+from ..config.resume import experiment_differences, refusal
 from ..config.schema import RecipeConfig
 from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, init_distributed
 from ..model_config import InitCheckpoint
@@ -95,10 +97,12 @@ class RunDir:
         """Collective. A fresh run refuses to overwrite an existing run dir."""
         name = cfg.logging.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         run = Path(cfg.logging.output_dir) / name
+        problem = [_refusal(cfg, run, resume) if dist.get_rank() == 0 else None]
+        # Every rank raises, not rank 0 alone: the others would wait for it at the next collective.
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise (FileExistsError if not resume else Stop)(problem[0])
         if dist.get_rank() == 0:
-            if run.exists() and not resume and any(run.iterdir()) and not never_started(run):
-                raise FileExistsError(f"run dir {run} exists; pass --resume to continue it or pick another "
-                                      "logging.run_name")
             run.mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, run)
         dist.barrier()
@@ -160,6 +164,21 @@ class RunDir:
                 writer.finish(side_files_from=src_hf_dir)
         dist.barrier()
         return out
+
+
+def _refusal(cfg: RecipeConfig, run: Path, resume: bool) -> str | None:
+    """Why the run cannot use `run` (None = it can): a fresh run never overwrites a started one, a
+    resume continues only a run of the same experiment (`config/resume.py`)."""
+    started = run.exists() and any(run.iterdir()) and not never_started(run)
+    if not started:
+        return None
+    if not resume:
+        return f"run dir {run} exists; pass --resume to continue it or pick another logging.run_name"
+    saved = run / "recipe.resolved.yaml"
+    if not saved.is_file():
+        return None
+    differing = experiment_differences(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, cfg)
+    return refusal(str(run), differing) if differing else None
 
 
 def lora_extra(cfg: RecipeConfig, init_path: str, hf_dir: str) -> dict[str, Any]:
