@@ -85,3 +85,12 @@ def test_train_resume_with_another_algorithm_exits_non_zero_naming_the_keys(tmp_
     assert len(errors) == 1 and "algorithm.name (grpo -> gspo)" in errors[0], proc.stderr[-3000:]
     assert (run / "recipe.resolved.yaml").read_text() == before      # the run dir is left as it was
     assert (run / "metrics.jsonl").is_file()
+
+
+def test_every_key_that_may_change_is_a_recipe_key_or_section() -> None:
+    from megatron_rl.config.loader import to_dict
+    from megatron_rl.config.resume import flatten
+    from megatron_rl.config.schema import RecipeConfig
+
+    keys = set(flatten(to_dict(RecipeConfig())))
+    assert [k for k in MAY_CHANGE if not any(x == k or x.startswith(k + ".") for x in keys)] == []
