@@ -19,14 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from ..config.loader import write_resolved
-from ..config.resume import experiment_differences, refusal
 from ..config.schema import RecipeConfig
-from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, init_distributed
+from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, from_rank0, init_distributed
 from ..model_config import InitCheckpoint
 from ..weights.map import WeightAdapter
+from .rundir import refusal
 
 if TYPE_CHECKING:
     from ..megatron.actor import Actor
@@ -59,22 +58,6 @@ def init_process_group(timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN) -> N
 
 
 # ------------------------------------------------------------------------------- the run dir
-RUN_DIR_ENTRIES = {"recipe.resolved.yaml", "recipe.resolved.yaml.tmp", "rollout", "checkpoints", "tensorboard",
-                   "metrics.jsonl", "metrics.jsonl.tmp"}
-"""What a run writes into its run dir before (and at) its first step."""
-
-
-def never_started(run: Path) -> bool:
-    """A run dir of a run that failed before its first step: only what a run writes, no metrics,
-    no checkpoint. Nothing in it is worth keeping, so it neither blocks a fresh run under the same
-    name nor survives the failure. A directory holding anything else is never taken for one."""
-    names = {p.name for p in run.iterdir()} if run.is_dir() else set()
-    metrics = run / "metrics.jsonl"
-    logged = metrics.is_file() and metrics.stat().st_size > 0
-    return "recipe.resolved.yaml" in names and names <= RUN_DIR_ENTRIES and not logged \
-        and not any((run / "checkpoints").glob("step_*"))
-
-
 @dataclass(frozen=True)
 class Resumed:
     step: int
@@ -97,11 +80,12 @@ class RunDir:
         """Collective. A fresh run refuses to overwrite an existing run dir."""
         name = cfg.logging.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         run = Path(cfg.logging.output_dir) / name
-        problem = [_refusal(cfg, run, resume) if dist.get_rank() == 0 else None]
         # Every rank raises, not rank 0 alone: the others would wait for it at the next collective.
-        dist.broadcast_object_list(problem, src=0)
-        if problem[0]:
-            raise (FileExistsError if not resume else Stop)(problem[0])
+        problem = from_rank0(refusal(cfg, run, resume) if dist.get_rank() == 0 else None)
+        if problem and not resume:
+            raise FileExistsError(problem)
+        if problem:
+            raise Stop(problem)
         if dist.get_rank() == 0:
             run.mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, run)
@@ -164,21 +148,6 @@ class RunDir:
                 writer.finish(side_files_from=src_hf_dir)
         dist.barrier()
         return out
-
-
-def _refusal(cfg: RecipeConfig, run: Path, resume: bool) -> str | None:
-    """Why the run cannot use `run` (None = it can): a fresh run never overwrites a started one, a
-    resume continues only a run of the same experiment (`config/resume.py`)."""
-    started = run.exists() and any(run.iterdir()) and not never_started(run)
-    if not started:
-        return None
-    if not resume:
-        return f"run dir {run} exists; pass --resume to continue it or pick another logging.run_name"
-    saved = run / "recipe.resolved.yaml"
-    if not saved.is_file():
-        return None
-    differing = experiment_differences(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, cfg)
-    return refusal(str(run), differing) if differing else None
 
 
 def lora_extra(cfg: RecipeConfig, init_path: str, hf_dir: str) -> dict[str, Any]:

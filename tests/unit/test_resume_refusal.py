@@ -94,3 +94,26 @@ def test_every_key_that_may_change_is_a_recipe_key_or_section() -> None:
 
     keys = set(flatten(to_dict(RecipeConfig())))
     assert [k for k in MAY_CHANGE if not any(x == k or x.startswith(k + ".") for x in keys)] == []
+
+
+def test_the_trainer_itself_refuses_too_and_a_resume_changing_only_max_steps_goes_on(tmp_path: Path) -> None:
+    """`train()` called without the CLI (its check runs on every rank, before anything is built)."""
+    common = [*unit_paths("grpo.yaml"), f"logging.output_dir={tmp_path}", "logging.run_name=r"]
+    write_resolved(load_recipe(TINY / "grpo.yaml", common), tmp_path / "r")
+    (tmp_path / "r" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    code = f"""
+from megatron_rl.config import load_recipe
+from megatron_rl.train.run import RunDir, Stop, init_process_group
+init_process_group()
+try:
+    RunDir.make(load_recipe({str(TINY / "gspo.yaml")!r}, {common!r}), resume=True)
+except Stop as e:
+    print("REFUSED", e)
+run = RunDir.make(load_recipe({str(TINY / "grpo.yaml")!r}, {common!r} + ["trainer.max_steps=99"]), resume=True)
+print("RESUMED", run.path)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED" in proc.stdout and "algorithm.name (grpo -> gspo)" in proc.stdout
+    assert f"RESUMED {tmp_path / 'r'}" in proc.stdout
+    assert "max_steps: 99" in (tmp_path / "r" / "recipe.resolved.yaml").read_text()   # the new one, for the next resume
