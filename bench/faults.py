@@ -189,7 +189,10 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
             os.killpg(server.proc.pid, signal.SIGKILL)
         else:
             os.kill(victim, signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
-        threading.Thread(target=left_after, args=(record, log_path.with_name("left.jsonl")), daemon=True).start()
+        # A stopped server is alive until its hang timeout declares it dead: 10 s after that.
+        wait = 10.0 + (HANG_TIMEOUT_S if kind == "stop" else 0)
+        threading.Thread(target=left_after, args=(record, log_path.with_name("left.jsonl"), wait),
+                         daemon=True).start()
 
     start = RolloutServer.start
 
@@ -304,7 +307,7 @@ def fault_target(server: Any, kind: str) -> int | None:
     return None
 
 
-def left_after(record: dict[str, Any], out: Path, after_s: float = 10.0) -> None:
+def left_after(record: dict[str, Any], out: Path, after_s: float) -> None:
     """Which of the faulted server's processes still live `after_s` after the fault."""
     import psutil
 
@@ -318,7 +321,7 @@ def left_after(record: dict[str, Any], out: Path, after_s: float = 10.0) -> None
             pass
     with open(out, "a") as f:
         f.write(json.dumps({"step": record["step"], "phase": record["phase"], "kind": record["kind"],
-                            "left_after_10s": left}) + "\n")
+                            "after_s": after_s, "left_after_10s": left}) + "\n")
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -502,7 +505,8 @@ def _survived(injection: dict[str, Any], rows: list[dict[str, Any]], finished: b
 def never_reached(plan: dict[int, list[str]], injections: list[dict[str, Any]], last_step: int) -> list[str]:
     """Planned kills (of the steps the run got to) that no trainer process ever reached: the phase
     was renamed or moved and the bench's hook no longer fires."""
-    hit = {(i["step"], i["phase"]) for i in injections}
+    hit = {(i["step"], i["phase"] if i.get("kind", "group") == "group" else f"{i['phase']}@{i['kind']}")
+           for i in injections}
     return [f"step {step}: {phase}" for step, phases in sorted(plan.items()) if step <= last_step
             for phase in phases if (step, phase) not in hit]
 

@@ -29,6 +29,10 @@ def test_a_planned_kill_never_reached_is_reported() -> None:
     hit = [{"step": 1, "phase": "reset"}, {"step": 2, "phase": "train"}]
     assert faults.never_reached(plan, hit, last_step=2) == ["step 2: init"]      # step 3 never ran
     assert faults.never_reached(plan, hit + [{"step": 2, "phase": "init"}], last_step=2) == []
+    # A partial fault is reached only by its own kind.
+    partial = {1: ["update@api"]}
+    assert faults.never_reached(partial, [{"step": 1, "phase": "update", "kind": "stop"}], 1) == ["step 1: update@api"]
+    assert faults.never_reached(partial, [{"step": 1, "phase": "update", "kind": "api"}], 1) == []
 
 
 def test_a_kill_no_restart_followed_is_reported() -> None:
