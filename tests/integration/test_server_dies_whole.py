@@ -76,6 +76,20 @@ class ApiKillingServer(RolloutServer):
         super().restart()
 
 
+class KillingClient(RolloutClient):
+    """Has its server's API process killed once its first request is answered: the others are in flight."""
+
+    server: ApiKillingServer
+    fired = False
+
+    async def _post(self, client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        result = await super()._post(client, path, body)
+        if not self.fired:
+            self.fired = True
+            self.server.arm_now()
+        return result
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiKillingServer]:
     # vLLM's own layout (engine core and worker processes) for this one rank, as GPU servers have.
@@ -129,20 +143,21 @@ def test_an_api_process_killed_alone_during_a_weight_update_or_a_generation(
     port = server.port
     try:
         # 1. During the weight update: the update request is in flight when the API process dies.
-        server.arm("/update_weights", delay=0.05)
+        server.arm("/update_weights", delay=0.0)     # dies as the update goes out (or under it)
         assert _send(transport, 2, new)["version"] == 2
         assert server.killer is not None
         _report(server, "kill -9 API process during /update_weights", server.killer)
         assert server.port == port and server.rpc("mrl_weight_version") == ["2"]   # back, same port
 
         # 2. During a generation (the client's requests in flight).
-        client = RolloutClient.for_server(server, on_failure=supervisor)
+        client = KillingClient.for_server(server, on_failure=supervisor)
+        client.server = server
         settings = replace(server.cfg, n=4)
-        server.arm("", delay=0.5)
-        kill = server.arm_now()
-        groups = client.generate(prompts(16), settings)
-        _report(server, "kill -9 API process during a generation", kill)
-        assert len(groups) == 16 and all(len(g) == 4 and g[0].response_ids for g in groups)
+        server.arm("", delay=0.0)
+        groups = client.generate(prompts(32), settings)          # 32 requests, 16 at a time
+        assert server.killer is not None
+        _report(server, "kill -9 API process during a generation", server.killer)
+        assert len(groups) == 32 and all(len(g) == 4 and g[0].response_ids for g in groups)
         assert server.port == port and server.restarts >= 2 and server.rpc("mrl_weight_version") == ["2"]
     finally:
         _send(transport, 0, original)
