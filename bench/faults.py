@@ -1,9 +1,19 @@
-"""Fault-injection run: a tiny GRPO run whose rollout server is SIGKILLed (its whole process group)
-at a chosen moment of many steps, covering every phase, plus one SIGKILL of the trainer followed
-by `--resume`. Prints JSON: faults injected / survived, steps lost / logged twice, the listening
-sockets seen during the run that were not on loopback, and /dev/shm files left behind.
+"""Fault-injection run: a tiny GRPO run whose rollout server is faulted at a chosen moment of many
+steps, covering every phase, plus one SIGKILL of the trainer followed by `--resume`. The faults
+(`--kinds`, `KINDS`): SIGKILL of the server's whole process group at every phase; and, at every
+request in flight (generation, verification, each sync route), SIGKILL of its API process alone, of
+its engine core alone, of one of its workers, and SIGSTOP of its API process. Prints JSON: faults
+injected / survived, steps lost / logged twice, the seconds from each fault to the run going on
+(the worst, the worst per kind, any over 60 s), the processes of faulted servers alive 10 s after
+the fault or at the end, their ports that no longer bind, the listening sockets seen during the
+run that were not on loopback, and /dev/shm files and temp dirs left behind.
 
-    python bench/faults.py [--steps 20] [--seed 0] [--max-staleness K] [--out DIR] [--json-out FILE]
+    python bench/faults.py [--kinds group,api,engine,worker,stop] [--tp 2] [--steps N] [--seed 0]
+                           [--max-staleness K] [--out DIR] [--json-out FILE]
+
+Faults other than "group" run the server in vLLM's multiprocess layout (an engine core and a
+worker beside the API process, as on a GPU), which a CPU server of one rank otherwise does not
+use; `--tp 2` gives it two workers, so "worker" kills one of two.
 
 `--max-staleness 1` runs the same plan with asynchronous rollout (`rollout.max_staleness: 1`,
 placement disaggregated, the trainer starting its server itself so that its supervisor may restart
@@ -22,10 +32,11 @@ call). /init_weight_transfer_engine is called once per server process, so its ki
 server killed earlier in the same step is being brought back.
 
 The run fails (exit 1, `never_reached` / `not_met` in the JSON) when a planned injection point was
-never reached, or a kill was never noticed (no server restart followed it), and when the trained
-run collapsed (`health`: its verdict from the `health/*` metrics, `train/health.py`): surviving
-faults with a dead model is no result. Each server restart
-costs 30-60 s on a loaded 2-core VM, so a run takes ~20-30 minutes.
+never reached, or a kill was never noticed (no server restart followed it), when the trained run
+collapsed (`health`: its verdict from the `health/*` metrics, `train/health.py`): surviving faults
+with a dead model is no result, and when a recovery took over 60 s or anything of a faulted server
+was left. Each server restart costs 30-60 s on a loaded 2-core VM, so a run takes ~20-30 minutes
+for `--kinds group` and about an hour for all kinds.
 """
 
 from __future__ import annotations
@@ -62,19 +73,60 @@ BRING_BACK = {"init": "train"}
 same step (the next sync restarts it, and the restart's re-send initialises the engine again)."""
 
 
-def schedule(steps: int, seed: int) -> dict[int, list[str]]:
-    """Kills per step: every phase at least once when steps allow (one per step, plus the kill that
-    a bring-back phase needs first); checkpoint kills only at steps that save before the last (the
-    last step's save is followed by no server call that could notice the death)."""
+KINDS = ("group", "api", "engine", "worker", "stop")
+"""What a fault does to the server: SIGKILL of its whole process group ("group"), of its API process
+alone ("api": what the OOM killer or a segfault takes), of its engine core alone ("engine"), of one
+of its workers ("worker"; with --tp 2, one worker of two), or SIGSTOP of its API process ("stop":
+alive, answering nothing; declared dead after rollout.hang_timeout_s)."""
+PARTIAL_PHASES = ("generate", "verify", "pause", "start", "update", "finish", "loaded", "reset", "resume")
+"""Where the faults other than "group" are injected: a request in flight or about to go out
+(generation, verification, each sync route): a process of the server dies (or stops) under it."""
+HANG_TIMEOUT_S = 10
+"""rollout.hang_timeout_s of a run with "stop" faults."""
+
+
+def fault_items(kinds: tuple[str, ...], phases: tuple[str, ...] = PARTIAL_PHASES) -> list[str]:
+    """Each fault the plan must inject once: `phase` (a group kill) or `phase@kind` (at `phases`)."""
+    items = [p for p in PHASES if p != "checkpoint"] if "group" in kinds else []
+    return items + [f"{p}@{k}" for k in kinds if k != "group" for p in phases]
+
+
+def phase_and_kind(item: str) -> tuple[str, str]:
+    phase, _, kind = item.partition("@")
+    return phase, kind or "group"
+
+
+def steps_needed(kinds: tuple[str, ...], phases: tuple[str, ...] = PARTIAL_PHASES) -> int:
+    """Steps for one pass over every fault (one a step, checkpoint kills on their own steps)."""
+    need = len(fault_items(kinds, phases))
+    steps = need + 1
+    while steps - _checkpoint_steps(steps, kinds) < need:
+        steps += 1
+    return steps
+
+
+def _checkpoint_steps(steps: int, kinds: tuple[str, ...]) -> int:
+    return sum(1 for s in range(1, steps + 1) if _checkpoint_kill(s, steps, kinds))
+
+
+def _checkpoint_kill(step: int, steps: int, kinds: tuple[str, ...]) -> bool:
+    return "group" in kinds and step % SAVE_INTERVAL == 0 and step // SAVE_INTERVAL % 2 == 1 and step < steps
+
+
+def schedule(steps: int, seed: int, kinds: tuple[str, ...] = ("group",),
+             phases: tuple[str, ...] = PARTIAL_PHASES) -> dict[int, list[str]]:
+    """Kills per step: every fault of `fault_items` at least once when steps allow (one per step,
+    plus the kill that a bring-back phase needs first); checkpoint kills only at steps that save
+    before the last (the last step's save is followed by no server call that could notice the death)."""
     rng = random.Random(seed)
     plan: dict[int, list[str]] = {}
     pool: list[str] = []
     for step in range(1, steps + 1):
-        if step % SAVE_INTERVAL == 0 and step // SAVE_INTERVAL % 2 == 1 and step < steps:
+        if _checkpoint_kill(step, steps, kinds):
             plan[step] = ["checkpoint"]
             continue
         if not pool:
-            pool = [p for p in PHASES if p != "checkpoint"]
+            pool = fault_items(kinds, phases)
             rng.shuffle(pool)
         if plan.get(step - 1) == ["checkpoint"] and pool[-1] == "reseed":
             pool.insert(0, pool.pop())      # the checkpoint kill is met at this reseed: it must not be dead already
@@ -94,6 +146,7 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     from megatron_rl.megatron.actor import Actor
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.server import RolloutServer
+    from megatron_rl.rollout.supervisor import ServerSupervisor
     from megatron_rl.sync.shm import SegmentWriter
     from megatron_rl.train import loop
     from megatron_rl.train.fleet import RolloutFleet
@@ -113,18 +166,33 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
 
     def inject(phase: str) -> None:
         step = step_of(phase)
-        key = (step, phase)
         server = state["server"]
-        if phase not in plan.get(step, []) or key in state["done"] or server is None or server.proc is None:
+        items = [i for i in plan.get(step, []) if phase_and_kind(i)[0] == phase and (step, i) not in state["done"]]
+        if not items or server is None or server.proc is None:
             return
-        if server.proc.poll() is not None:
+        if server.proc.poll() is not None or server.down:
             return      # killed earlier and not yet noticed: no kill of its own (reported as never reached)
-        state["done"].add(key)
+        item = items[0]
+        kind = phase_and_kind(item)[1]
+        victim = fault_target(server, kind)
+        if victim is None:
+            return      # no such process in this layout (reported as never reached)
+        state["done"].add((step, item))
         state["killed_at"] = step
+        old = server.processes()
+        record = {"step": step, "phase": phase, "kind": kind, "pid": server.proc.pid, "victim": victim,
+                  "processes": old, "port": server.port, "restarts": server.restarts,
+                  "trainer_pid": os.getpid(), "t": time.time()}
         with open(log_path, "a") as f:
-            f.write(json.dumps({"step": step, "phase": phase, "pid": server.proc.pid,
-                                "restarts": server.restarts, "trainer_pid": os.getpid(), "t": time.time()}) + "\n")
-        os.killpg(server.proc.pid, signal.SIGKILL)
+            f.write(json.dumps(record) + "\n")
+        if kind == "group":
+            os.killpg(server.proc.pid, signal.SIGKILL)
+        else:
+            os.kill(victim, signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
+        # A stopped server is alive until its hang timeout declares it dead: 10 s after that.
+        wait = 10.0 + (HANG_TIMEOUT_S if kind == "stop" else 0)
+        threading.Thread(target=left_after, args=(record, log_path.with_name("left.jsonl"), wait),
+                         daemon=True).start()
 
     start = RolloutServer.start
 
@@ -206,11 +274,54 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         return save(*args, **kwargs)
     checkpoint_mod.save_checkpoint = save_and_kill        # looked up by RunDir.save at each call
 
+    recover = ServerSupervisor.recover
+
+    def recover_and_log(self: ServerSupervisor, error: BaseException, phase: str) -> bool:
+        restarted = recover(self, error, phase)
+        if restarted:                             # the interrupted call is redone from here
+            with open(log_path.with_name("recoveries.jsonl"), "a") as f:
+                f.write(json.dumps({"t": time.time(), "phase": phase, "trainer_pid": os.getpid()}) + "\n")
+        return restarted
+    ServerSupervisor.recover = recover_and_log    # type: ignore[method-assign]
+
     train(load_recipe(recipe, overrides), resume=resume)
     server = state["server"]
     with open(log_path.with_name("children.jsonl"), "a") as f:    # what the last injection is checked against
         f.write(json.dumps({"trainer_pid": os.getpid(), "restarts": server.restarts if server else 0}) + "\n")
     return 0
+
+
+def fault_target(server: Any, kind: str) -> int | None:
+    """The pid a fault of `kind` hits: the API process, or the first engine core / worker under it."""
+    import psutil
+
+    if kind in ("group", "api", "stop"):
+        return int(server.proc.pid)
+    name = "VLLM::EngineCore" if kind == "engine" else "VLLM::Worker"
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if p.name().startswith(name):
+                return int(p.pid)
+        except psutil.Error:
+            continue
+    return None
+
+
+def left_after(record: dict[str, Any], out: Path, after_s: float) -> None:
+    """Which of the faulted server's processes still live `after_s` after the fault."""
+    import psutil
+
+    time.sleep(after_s)
+    left = []
+    for pid in record["processes"]:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.Error:
+            pass
+    with open(out, "a") as f:
+        f.write(json.dumps({"step": record["step"], "phase": record["phase"], "kind": record["kind"],
+                            "after_s": after_s, "left_after_10s": left}) + "\n")
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -255,11 +366,16 @@ def server_pids(run: Path) -> set[int]:
 
 def launch(args: argparse.Namespace, run_name: str, resume: bool) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--seed", str(args.seed),
-           "--max-staleness", str(args.max_staleness), "--out", str(args.out),
-           "--run-name", run_name] + (["--resume"] if resume else [])
+           "--max-staleness", str(args.max_staleness), "--out", str(args.out), "--kinds", ",".join(args.kinds),
+           "--phases", ",".join(args.phases), "--tp", str(args.tp), "--run-name", run_name] \
+        + (["--resume"] if resume else [])
     log = open(args.out / f"{run_name}.{'resumed' if resume else 'first'}.log", "w")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    if set(args.kinds) - {"group"}:
+        # vLLM's own layout (an engine core and workers beside the API process, as on a GPU) even for
+        # one rank on CPU, which otherwise runs in the API process: the faults of one process need it.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def watch(proc: subprocess.Popen, run: Path, seen_bad: set[str], kill_at_step: int | None) -> bool:
@@ -309,7 +425,10 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         "survived": survived + (1 if killed and finished else 0),
         "steps_lost": sorted(set(range(1, args.steps + 1)) - set(counts)),
         "steps_duplicated": sorted(s for s, c in counts.items() if c > 1),
-        "never_reached": never_reached(schedule(args.steps, args.seed), injections, max(counts, default=0)),
+        "kinds": list(args.kinds), "rollout_tp": args.tp,
+        "partial_fault_phases": list(args.phases),
+        "never_reached": never_reached(schedule(args.steps, args.seed, args.kinds, args.phases), injections,
+                                       max(counts, default=0)),
         "not_met": not_met(injections, _jsonl(run / "children.jsonl"), first.pid if killed else None),
         "weight_version_is_step_plus_1": all(r["weight_version"] == r["step"] + 1 for r in rows),
         "server_kills_by_phase": dict(Counter(i["phase"] for i in injections)),
@@ -319,6 +438,10 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         "restarts_failed_and_retried": sum(log.count("[rollout] restart failed") for log in logs),
         "restarts_verified_numerically": sum(log.count("verified: max |Δ log-prob|") for log in logs),
         "health": verdict(rows),
+        **recovery_report(injections, _jsonl(run / "recoveries.jsonl")),
+        "left_after_10s": [r for r in _jsonl(run / "left.jsonl") if r["left_after_10s"]],
+        "processes_left": processes_left(injections),
+        "ports_left": sorted({i["port"] for i in injections if not port_binds(i["port"])}),
         "non_loopback_listeners": sorted(bad),
         "shm_left": shm_left(shm_after - shm_before),
         "tmp_left": tmp_left(set(os.listdir(tempfile.gettempdir())) - tmp_before),
@@ -326,6 +449,52 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
     }
     emit(out, started, args.json_out)
     return out
+
+
+def recovery_report(injections: list[dict[str, Any]], recoveries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seconds from each fault to the run going on (the supervisor's restart done, the interrupted
+    call about to be redone), the worst per kind, and the faults over 60 s or never recovered (the
+    SIGKILLed trainer's last fault, whose step the resumed run redoes, has none)."""
+    seconds: list[dict[str, Any]] = []
+    for i in injections:
+        after = [r["t"] for r in recoveries if r["trainer_pid"] == i["trainer_pid"] and r["t"] >= i["t"]]
+        seconds.append({"step": i["step"], "phase": i["phase"], "kind": i.get("kind", "group"),
+                        "s": round(min(after) - i["t"], 1) if after else None})
+    timed = [x for x in seconds if x["s"] is not None]
+    by_kind: dict[str, float] = {}
+    for x in timed:
+        by_kind[x["kind"]] = max(by_kind.get(x["kind"], 0.0), x["s"])
+    worst = max(timed, key=lambda x: x["s"], default=None)
+    return {"recovery_s_worst": worst, "recovery_s_worst_by_kind": by_kind,
+            "recovery_over_60s": [x for x in timed if x["s"] > 60],
+            "never_recovered": [x for x in seconds if x["s"] is None]}
+
+
+def processes_left(injections: list[dict[str, Any]]) -> list[int]:
+    """Processes of faulted servers still alive at the end (every trainer has exited by then)."""
+    import psutil
+
+    left = set()
+    for i in injections:
+        for pid in i.get("processes", []):
+            try:
+                if psutil.Process(pid).create_time() <= i["t"] and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.add(pid)
+            except psutil.Error:
+                pass
+    return sorted(left)
+
+
+def port_binds(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def _survived(injection: dict[str, Any], rows: list[dict[str, Any]], finished: bool, killed: bool) -> bool:
@@ -336,7 +505,8 @@ def _survived(injection: dict[str, Any], rows: list[dict[str, Any]], finished: b
 def never_reached(plan: dict[int, list[str]], injections: list[dict[str, Any]], last_step: int) -> list[str]:
     """Planned kills (of the steps the run got to) that no trainer process ever reached: the phase
     was renamed or moved and the bench's hook no longer fires."""
-    hit = {(i["step"], i["phase"]) for i in injections}
+    hit = {(i["step"], i["phase"] if i.get("kind", "group") == "group" else f"{i['phase']}@{i['kind']}")
+           for i in injections}
     return [f"step {step}: {phase}" for step, phases in sorted(plan.items()) if step <= last_step
             for phase in phases if (step, phase) not in hit]
 
@@ -392,7 +562,12 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, help="default: enough for every fault once (20 for --kinds group)")
+    ap.add_argument("--kinds", default="group", help=f"comma-separated fault kinds of {','.join(KINDS)} (see KINDS)")
+    ap.add_argument("--phases", default=",".join(PARTIAL_PHASES),
+                    help="where the faults other than group are injected (default: every request phase)")
+    ap.add_argument("--tp", type=int, default=1, help="the rollout server's tensor_parallel_size (2: --kinds worker "
+                                                        "kills one worker of two)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "faults")
     ap.add_argument("--json-out", type=Path)
@@ -403,18 +578,32 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out = args.out.resolve()
+    args.kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not args.kinds or set(args.kinds) - set(KINDS):
+        ap.error(f"--kinds: choose from {', '.join(KINDS)}")
+    args.phases = tuple(p for p in args.phases.split(",") if p)
+    if not args.phases or set(args.phases) - set(PARTIAL_PHASES):
+        ap.error(f"--phases: choose from {', '.join(PARTIAL_PHASES)}")
+    args.steps = args.steps or max(20 if "group" in args.kinds else 0, steps_needed(args.kinds, args.phases))
     if args.child:
         overrides = SMALL + [f"trainer.max_steps={args.steps}", f"checkpoint.save_interval={SAVE_INTERVAL}",
                              f"logging.output_dir={args.out}", f"logging.run_name={args.run_name}",
-                             "logging.tensorboard=false"] + async_overrides(args.max_staleness)
-        sys.exit(child(str(REPO / "recipes" / "tiny" / "grpo.yaml"), overrides, schedule(args.steps, args.seed),
-                       args.out / args.run_name / "injections.jsonl", args.resume))
+                             "logging.tensorboard=false", f"rollout.tensor_parallel_size={args.tp}"] \
+            + ([f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"] if "stop" in args.kinds else []) \
+            + async_overrides(args.max_staleness)
+        sys.exit(child(str(REPO / "recipes" / "tiny" / "grpo.yaml"), overrides,
+                       schedule(args.steps, args.seed, args.kinds, args.phases),
+                       args.out / args.run_name / "injections.jsonl",
+                       args.resume))
     result = driver(args)
     for key in ("never_reached", "not_met"):
         if result[key]:
             print(f"FAULT INJECTION BROKEN: {key}: {result[key]}", file=sys.stderr)
     ok = result["survived"] == result["injected"] and not result["steps_lost"] and not result["steps_duplicated"] \
-        and not result["never_reached"] and not result["not_met"] and not result["health"]["collapsed"]
+        and not result["never_reached"] and not result["not_met"] and not result["health"]["collapsed"] \
+        and not result["recovery_over_60s"] \
+        and not result["processes_left"] and not result["ports_left"] and not result["left_after_10s"] \
+        and not result["shm_left"]
     sys.exit(0 if ok else 1)
 
 

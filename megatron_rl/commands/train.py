@@ -51,6 +51,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_checked(args.recipe, args.overrides)
     if cfg is None:
         return 1
+    if cfg.logging.run_name:
+        from ..train.rundir import refusal
+
+        # Before the trainer is imported (seconds): another experiment's run dir is refused at once.
+        problem = refusal(cfg, Path(cfg.logging.output_dir) / cfg.logging.run_name, args.resume)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 1
     from ..megatron import cpu_compat
 
     # Before anything is built: a GPU recipe must not quietly train on the CPU.
@@ -96,7 +104,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _forget_unstarted_run(cfg) -> None:  # noqa: ANN001
     """A run that failed before its first step leaves no run dir behind to block a re-run."""
-    from ..train.run import never_started
+    from ..train.rundir import never_started
 
     if not cfg.logging.run_name:
         return

@@ -186,6 +186,12 @@ class RolloutConfig:
     """Retries (with exponential back-off) of a failed request before the step fails."""
     startup_timeout_s: float = spec(600.0, gt=0.0)
     """How long to wait for the server's health endpoint."""
+    hang_timeout_s: float = spec(180.0, gt=0.0)
+    """A running server that makes no progress this long in a row — its health route unanswered,
+    or one of its processes stopped — is declared dead: one the run started is killed whole and
+    restarted, an external one stops the run (`rollout/watch.py`). Progress, not request length:
+    a long generation or weight update keeps the server answering and never trips it. A server
+    process that dies is acted on within about a second, whatever this says."""
     sync_bucket_mb: int = spec(512, ge=1)
     """Weight-sync bucket size in MiB: the shm transport's segment size (a tensor larger than this
     gets a segment of its own) and, with a sender per colocated node, the bucket rank 0 broadcasts

@@ -17,8 +17,8 @@ import asyncio
 import functools
 import random
 import ssl
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -28,6 +28,9 @@ from .routes import decode_routes
 
 if TYPE_CHECKING:
     from .server import RolloutServer
+
+T = TypeVar("T")
+DOWN_POLL_S = 1.0
 
 
 @functools.cache
@@ -47,7 +50,8 @@ class RolloutClient:
     (`cfg.max_concurrency`, `cfg.request_timeout_s`, `cfg.max_retries`)."""
 
     def __init__(self, base_url: str, token: str, model: str, cfg: RolloutConfig,
-                 on_failure: Callable[[Exception], None] | None = None, *, stop_token_ids: Sequence[int]) -> None:
+                 on_failure: Callable[[Exception], None] | None = None, *, stop_token_ids: Sequence[int],
+                 down: Callable[[], str | None] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"}
         self.model = model
@@ -58,14 +62,31 @@ class RolloutClient:
         self.max_retries = cfg.max_retries
         self.on_failure = on_failure
         """Called between retries (e.g. to restart a dead server and re-sync its weights)."""
+        self.down = down
+        """Why the server is down, None while it is up: an external server's watch, which cannot
+        kill it to end the requests in flight (`rollout/watch.py`); they end when it says so."""
 
     @classmethod
     def for_server(cls, server: RolloutServer, cfg: RolloutConfig | None = None,
                    on_failure: Callable[[Exception], None] | None = None, **kwargs: Any) -> RolloutClient:
         """A client of a `RolloutServer` (its address, token, served name and stop ids), with the
         request settings of `cfg` (default: the server's own `RolloutConfig`)."""
+        down = (lambda: server.down) if server.external else None
         return cls(server.base_url, server.token, "policy", cfg or server.cfg, on_failure,
-                   stop_token_ids=server.stop_token_ids, **kwargs)
+                   stop_token_ids=server.stop_token_ids, down=down, **kwargs)
+
+    async def _unless_down(self, work: Awaitable[T]) -> T:
+        """`work`, abandoned as soon as `down` says the server is down."""
+        task = asyncio.ensure_future(work)
+        while self.down is not None:
+            done, _ = await asyncio.wait({task}, timeout=DOWN_POLL_S)
+            if done:
+                break
+            reason = self.down()
+            if reason:
+                task.cancel()
+                raise RolloutError(f"{self.base_url}: {reason}")
+        return await task
 
     async def _post(self, client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
         delay = 0.5
@@ -109,7 +130,7 @@ class RolloutClient:
         row_seeds: list[int | None] = list(seeds) if seeds is not None else [None] * len(prompts)
         async with httpx.AsyncClient(limits=limits, verify=tls_context()) as client:
             tasks = [self._generate_one(client, sem, list(p), s, greedy, seed) for p, seed in zip(prompts, row_seeds)]
-            return list(await asyncio.gather(*tasks))
+            return list(await self._unless_down(asyncio.gather(*tasks)))
 
     def generate(self, prompts: Sequence[list[int]], s: RolloutConfig, seeds: Sequence[int] | None = None,
                  *, greedy: bool = False) -> list[list[Sample]]:
@@ -132,7 +153,7 @@ class RolloutClient:
                     entries = data["choices"][0]["prompt_logprobs"]
                     return [_logprob_of(entries[i], seq[i]) for i in range(1, len(seq))]
 
-                return list(await asyncio.gather(*(one(s) for s in sequences)))
+                return list(await self._unless_down(asyncio.gather(*(one(s) for s in sequences))))
 
         return asyncio.run(run())
 

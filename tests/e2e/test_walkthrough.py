@@ -91,15 +91,15 @@ def test_the_walkthrough_runs_as_written(slurm: dict[str, str], tmp_path: Path) 
         submitted = re.search(r"Submitted batch job (\d+)", proc.stdout)
         if submitted:                   # the user waits for the job here (squeue / tail)
             info = _wait_for_job(env, submitted.group(1))
-            run = Path(env["RUNS"]) / "article001"
+            run = Path(env["RUNS"]) / env["NAME"]
             log = "".join(p.read_text()[-3000:] for p in (run / "slurm").glob("*.out"))
             assert info["JobState"] == "COMPLETED", log
-    run = Path(env["RUNS"]) / "article001"
+    run = Path(env["RUNS"]) / env["NAME"]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert steps == [1, 2]
     recipe = (run / "recipe.resolved.yaml").read_text()
     assert str(Path(env["MCORE"])) in recipe and "igakuqa_train.jsonl" in recipe
-    for name in ("article001", "base"):
+    for name in (env["NAME"], "base"):
         lines = (Path(env["RUNS"]) / "eval" / f"{name}.jsonl").read_text().splitlines()
         assert len(lines) == 6                                   # the fixture's 2022 questions
         meta = json.loads((Path(env["RUNS"]) / "eval" / f"{name}.jsonl.meta.json").read_text())

@@ -29,6 +29,10 @@ def test_a_planned_kill_never_reached_is_reported() -> None:
     hit = [{"step": 1, "phase": "reset"}, {"step": 2, "phase": "train"}]
     assert faults.never_reached(plan, hit, last_step=2) == ["step 2: init"]      # step 3 never ran
     assert faults.never_reached(plan, hit + [{"step": 2, "phase": "init"}], last_step=2) == []
+    # A partial fault is reached only by its own kind.
+    partial = {1: ["update@api"]}
+    assert faults.never_reached(partial, [{"step": 1, "phase": "update", "kind": "stop"}], 1) == ["step 1: update@api"]
+    assert faults.never_reached(partial, [{"step": 1, "phase": "update", "kind": "api"}], 1) == []
 
 
 def test_a_kill_no_restart_followed_is_reported() -> None:
@@ -59,3 +63,27 @@ def test_leftovers_of_a_live_process_are_not_the_runs(tmp_path: Path) -> None:
     assert faults.tmp_left(names) == sorted([f"{shm.SERVER_TMP_PREFIX}{dead}-b", f"vllm_dist_{dead}"])
     assert shm.creator_alive(f"{shm.SYNC_PREFIX}{live}-x") and not shm.creator_alive(f"{shm.SYNC_PREFIX}{dead}-x")
     assert not shm.creator_alive("psm_1234")
+
+
+def test_every_partial_fault_is_planned_once_at_a_request_in_flight() -> None:
+    kinds = faults.KINDS
+    steps = faults.steps_needed(kinds)
+    plan = faults.schedule(steps, 3, kinds)
+    planned = [item for items in plan.values() for item in items]
+    partial = [i for i in planned if "@" in i]
+    assert sorted(partial) == sorted(f"{p}@{k}" for k in kinds if k != "group" for p in faults.PARTIAL_PHASES)
+    assert {faults.phase_and_kind(i)[0] for i in planned if "@" not in i} == set(faults.PHASES)
+    assert faults.phase_and_kind("update@stop") == ("update", "stop")
+    assert faults.phase_and_kind("train") == ("train", "group")
+    assert not any(items == ["checkpoint"] for items in faults.schedule(30, 0, ("api",)).values())
+
+
+def test_recovery_seconds_are_per_fault_and_the_worst_is_named() -> None:
+    inj = [{"step": 1, "phase": "update", "kind": "api", "t": 100.0, "trainer_pid": 1},
+           {"step": 2, "phase": "generate", "kind": "stop", "t": 200.0, "trainer_pid": 1},
+           {"step": 3, "phase": "resume", "kind": "engine", "t": 300.0, "trainer_pid": 1}]
+    rec = [{"t": 112.5, "trainer_pid": 1}, {"t": 271.0, "trainer_pid": 1}, {"t": 120.0, "trainer_pid": 2}]
+    out = faults.recovery_report(inj, rec)
+    assert out["recovery_s_worst"] == {"step": 2, "phase": "generate", "kind": "stop", "s": 71.0}
+    assert out["recovery_s_worst_by_kind"] == {"api": 12.5, "stop": 71.0}
+    assert [x["step"] for x in out["recovery_over_60s"]] == [2] and [x["step"] for x in out["never_recovered"]] == [3]

@@ -25,7 +25,7 @@ from megatron_rl.megatron.checkpoint import (  # noqa: E402
 )
 from megatron_rl.rollout import shm  # noqa: E402
 from megatron_rl.train.metrics import MetricsLog  # noqa: E402
-from megatron_rl.train.run import never_started  # noqa: E402
+from megatron_rl.train.rundir import never_started  # noqa: E402
 from tests.helpers.rollout import REPO  # noqa: E402
 from tests.helpers.train import ENV  # noqa: E402
 
