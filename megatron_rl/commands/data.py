@@ -1,4 +1,4 @@
-"""`megatron-rl data prepare igakuqa|medmcqa|medxpertqa|chord-sft ...`: write prompt and SFT JSONL files.
+"""`megatron-rl data prepare igakuqa|medmcqa|medxpertqa|specialist|chord-sft ...`: write prompt and SFT JSONL files.
 
 Only argparse is imported at module level; the data modules load when the command runs, and none
 of them imports torch.
@@ -70,6 +70,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     mx.add_argument("--limit", type=_positive, default=None, help="only the first N questions")
     _add_on_malformed(mx)
     mx.set_defaults(func=run_medxpertqa)
+
+    spec = sources.add_parser("specialist", help="a specialist exam (article 001's specialist_exam_test_v2): "
+                                                 "eval prompts",
+                              description="Check a specialist-exam JSONL ({id, specialty, question, choices, "
+                                          "answer, has_image}; the format is in megatron_rl/tasks/specialist/"
+                                          "data.py) and write specialist_<split>.jsonl prompts for `eval generate` "
+                                          "and `eval specialist`.")
+    spec.add_argument("--src", required=True, help="specialist-exam JSONL file")
+    spec.add_argument("--out", required=True, help="output directory")
+    spec.add_argument("--split", default="test", help="name used in the output file names")
+    spec.add_argument("--system-prompt", default=None,
+                      help="system message of every prompt (default: the project's Japanese one; '' = none)")
+    _add_on_malformed(spec)
+    spec.set_defaults(func=run_specialist)
 
     chord = sources.add_parser("chord-sft", help="CHORD expert rows from expert texts (question + parts)",
                                description="Build data.sft_path rows from a JSONL of expert texts "
@@ -148,6 +162,21 @@ def run_medxpertqa(args: argparse.Namespace) -> int:
     except (DataError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    return _report(result)
+
+
+def run_specialist(args: argparse.Namespace) -> int:
+    from megatron_rl.data.schema import DataError
+    from megatron_rl.tasks.specialist.data import prepare_specialist
+
+    try:
+        result = prepare_specialist(args.src, args.out, split=args.split, system_prompt=args.system_prompt,
+                                    on_malformed=args.on_malformed)
+    except (DataError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    counts = ", ".join(f"{k} {v}" for k, v in result.notes["specialties"].items())
+    print(f"{len(result.notes['specialties'])} specialties ({counts}); {result.notes['with_image']} with an image")
     return _report(result)
 
 
