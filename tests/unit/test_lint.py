@@ -365,3 +365,12 @@ def test_async_rollout_needs_servers_of_their_own_and_a_correction() -> None:
     assert "async-rollout" not in findings("grpo.yaml", "rollout.max_staleness=1", *disaggregated,
                                            "algorithm.correction.mode=tis_token")
     assert "async-rollout" not in findings("grpo.yaml", "rollout.sleep_level=0")     # synchronous: no rule
+
+
+def test_a_correction_at_raw_log_probs_is_a_warning() -> None:
+    raw = ("algorithm.correction.mode=tis_token", "rollout.logprobs_mode=raw", "rollout.temperature=0.9")
+    (msg,) = findings("grpo.yaml", *raw)["correction-at-raw-logprobs"]
+    assert msg.startswith("warning|rollout.logprobs_mode|") and "T = 0.9" in msg and "processed" in msg
+    assert "correction-at-raw-logprobs" not in findings("grpo.yaml", *raw[:2], "rollout.temperature=1.0")
+    assert "correction-at-raw-logprobs" not in findings("grpo.yaml", raw[0], "rollout.logprobs_mode=processed")
+    assert "correction-at-raw-logprobs" not in findings("grpo.yaml", *raw[1:])      # no correction
