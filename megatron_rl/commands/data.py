@@ -1,4 +1,5 @@
-"""`megatron-rl data prepare igakuqa|medmcqa|medxpertqa|chord-sft ...`: write prompt and SFT JSONL files.
+"""`megatron-rl data prepare igakuqa|medmcqa|medxpertqa|specialist|chord-sft ...`: write prompt and SFT JSONL
+files; `megatron-rl data generate chord-sft ...`: CHORD's expert texts by a model (`rollout/expert_texts.py`).
 
 Only argparse is imported at module level; the data modules load when the command runs, and none
 of them imports torch.
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from megatron_rl.data.prepare import PrepareResult
+    from megatron_rl.data.schema import PromptRecord
+    from megatron_rl.rollout.expert_texts import ExpertPrompts, GenerateResult
 
 
 def year_list(text: str) -> list[int]:
@@ -71,6 +74,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_on_malformed(mx)
     mx.set_defaults(func=run_medxpertqa)
 
+    spec = sources.add_parser("specialist", help="a specialist exam (article 001's specialist_exam_test_v2): "
+                                                 "eval prompts",
+                              description="Check a specialist-exam JSONL ({id, specialty, question, choices, "
+                                          "answer, has_image}; the format is in megatron_rl/tasks/specialist/"
+                                          "data.py) and write specialist_<split>.jsonl prompts for `eval generate` "
+                                          "and `eval specialist`.")
+    spec.add_argument("--src", required=True, help="specialist-exam JSONL file")
+    spec.add_argument("--out", required=True, help="output directory")
+    spec.add_argument("--split", default="test", help="name used in the output file names")
+    spec.add_argument("--system-prompt", default=None,
+                      help="system message of every prompt (default: the project's Japanese one; '' = none)")
+    _add_on_malformed(spec)
+    spec.set_defaults(func=run_specialist)
+
     chord = sources.add_parser("chord-sft", help="CHORD expert rows from expert texts (question + parts)",
                                description="Build data.sft_path rows from a JSONL of expert texts "
                                            "({id, question, sections: [{title, text}, ...]} or {id, question, "
@@ -85,6 +102,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     chord.add_argument("--limit", type=_positive, default=None, help="only the first N rows")
     _add_on_malformed(chord)
     chord.set_defaults(func=run_chord_sft)
+
+
+    _register_generate(verbs)
+
+
+def _register_generate(verbs: argparse._SubParsersAction) -> None:
+    generate = verbs.add_parser("generate", help="write training texts with a model on a rollout server")
+    kinds = generate.add_subparsers(dest="kind", metavar="KIND", required=True)
+    chord = kinds.add_parser(
+        "chord-sft", help="CHORD's expert texts from MCQ prompts (article 001's two stages)",
+        description="Stage 1 rewrites each multiple-choice prompt as a natural-language question; stage 2 writes "
+                    "its expert answer part by part (the prompts: megatron_rl/data/chord_prompts/, --prompts DIR). "
+                    "Writes the CHORD expert-text format, row by row: a killed run keeps its rows and the same "
+                    "command continues it (megatron_rl/rollout/expert_texts.py). Then `data prepare chord-sft "
+                    "--parts 5`.")
+    chord.add_argument("--src", required=True, help="prompt JSONL of MCQs (e.g. `data prepare igakuqa`'s train file)")
+    chord.add_argument("--out", required=True, help="expert-text JSONL to write or continue")
+    where = chord.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="HF model directory: a rollout server is started on this node for the run")
+    where.add_argument("--server", help="directory of a running rollout server (holding rollout/server.json)")
+    chord.add_argument("--prompts", default=None, help="folder of question.txt, answer.txt, parts.txt "
+                                                       "(default: the shipped ones)")
+    chord.add_argument("--recipe", default=None, help="with --model: the server shape and chat-template "
+                                                      "variables of this recipe")
+    chord.add_argument("--max-tokens", type=_positive, default=256, help="tokens per generated text (default 256)")
+    chord.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chord.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    chord.add_argument("--batch-size", type=_positive, default=64,
+                       help="prompts in flight at once; rows are written as each batch ends (default 64)")
+    chord.add_argument("--limit", type=_positive, default=None, help="only the first N prompts")
+    chord.add_argument("--max-model-len", type=_positive, default=4096,
+                       help="with --model: the server's context (default 4096, at most the model's)")
+    chord.add_argument("--run-dir", default="runs/generate-chord-sft", help="with --model: server log and token")
+    chord.set_defaults(func=run_generate_chord_sft)
 
 
 def _positive(text: str) -> int:
@@ -151,6 +202,21 @@ def run_medxpertqa(args: argparse.Namespace) -> int:
     return _report(result)
 
 
+def run_specialist(args: argparse.Namespace) -> int:
+    from megatron_rl.data.schema import DataError
+    from megatron_rl.tasks.specialist.data import prepare_specialist
+
+    try:
+        result = prepare_specialist(args.src, args.out, split=args.split, system_prompt=args.system_prompt,
+                                    on_malformed=args.on_malformed)
+    except (DataError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    counts = ", ".join(f"{k} {v}" for k, v in result.notes["specialties"].items())
+    print(f"{len(result.notes['specialties'])} specialties ({counts}); {result.notes['with_image']} with an image")
+    return _report(result)
+
+
 def run_chord_sft(args: argparse.Namespace) -> int:
     from megatron_rl.data.prepare import prepare_chord_sft
     from megatron_rl.data.schema import DataError
@@ -162,3 +228,67 @@ def run_chord_sft(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return _report(result)
+
+
+def run_generate_chord_sft(args: argparse.Namespace) -> int:
+    from megatron_rl.data.schema import DataError, read_prompts
+    from megatron_rl.rollout.client import RolloutError
+    from megatron_rl.rollout.expert_texts import load_prompts
+    from megatron_rl.rollout.server import ServerError
+
+    try:
+        prompts = load_prompts(args.prompts)
+        records = read_prompts(args.src)[:args.limit]
+        result = _generate_on_a_server(args, records, prompts)
+    except (DataError, ServerError, RolloutError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if result is None:
+        return 1
+    torn = f"; cut a half-written last row ({result.torn_bytes} bytes)" if result.torn_bytes else ""
+    print(f"{args.out}: {result.written} expert texts written, {result.already_done} there before{torn}")
+    if result.empty:
+        print(f"{len(result.empty)} prompts gave an empty text and were not written (first: {result.empty[:3]}); "
+              "running the command again tries them again")
+    return 0
+
+
+def _generate_on_a_server(args: argparse.Namespace, records: list[PromptRecord],
+                          prompts: ExpertPrompts) -> GenerateResult | None:
+    """Start (--model) or attach to (--server) a rollout server and generate the texts."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config.check import load
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.client import RolloutClient
+    from megatron_rl.rollout.expert_texts import client_generate, generate_expert_texts
+    from megatron_rl.rollout.server import RolloutServer
+
+    rollout, kwargs = RolloutConfig(enforce_eager=True), {}
+    if args.recipe:
+        cfg = load(args.recipe)
+        if cfg is None:
+            return None
+        rollout, kwargs = cfg.rollout, dict(cfg.rollout.chat_template_kwargs)
+    if args.model:
+        context = json.loads((Path(args.model) / "config.json").read_text()).get("max_position_embeddings", 4096)
+        server = RolloutServer(args.model, Path(args.run_dir), dataclasses.replace(rollout, port=0),
+                               max_model_len=min(args.max_model_len, int(context)))
+        server.start()
+    else:
+        server = RolloutServer.attach(Path(args.server), rollout)
+    try:
+        greedy = args.temperature == 0
+        settings = dataclasses.replace(rollout, n=1, temperature=args.temperature if not greedy else 1.0,
+                                       top_p=args.top_p, top_k=-1, max_response_length=args.max_tokens)
+        tokenizer = AutoTokenizer.from_pretrained(server.model_dir)
+        generate = client_generate(RolloutClient.for_server(server, settings), tokenizer, settings, greedy, kwargs)
+        return generate_expert_texts(records, args.out, prompts, generate, model=str(server.model_dir),
+                                     batch_size=args.batch_size)
+    finally:
+        if not server.external:
+            server.stop()

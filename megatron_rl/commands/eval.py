@@ -1,10 +1,13 @@
-"""`megatron-rl eval igakuqa|mcq|compare|table|generate ...`: generate and score predictions, compare systems.
+"""`megatron-rl eval igakuqa|mcq|compare|table|specialist|generate ...`: generate, score and compare predictions.
 
 `eval igakuqa --pred FILE_OR_DIR --gold DIR [--system NAME] [--rule R] [--json]` prints the report
 as markdown tables (or JSON). `eval mcq --pred FILE --gold PROMPTS [--by KEYS] [--json]` scores
 single-answer MCQ predictions (MedXpertQA, MedMCQA: `megatron_rl.tasks.mcq.scoring`).
 `eval table LABEL=PATH... --gold DIR [--baseline LABEL] [--out DIR]`
 renders several systems in the published layouts (`megatron_rl.tasks.igakuqa.table`).
+`eval specialist LABEL=PATH... --gold PROMPTS [--baseline LABEL] [--out DIR]` does the same for a
+specialist exam (`megatron_rl.tasks.specialist`). `eval igakuqa`, `table` and `specialist` take
+`--include` / `--exclude` id lists (`megatron_rl.data.idlist`) and print the count they leave.
 `eval compare A B --gold DIR [--system-a X] [--system-b Y] [--out DIR] [--json]` prints McNemar
 tables and, with --out, writes compare.md, compare.json and category_delta.png there. Bad input
 exits 1 with one `error: <file>:<line>: <problem>` line.
@@ -30,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     igaku.add_argument("--system", default=None, help="system to read from a directory")
     igaku.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     _add_rule(igaku)
+    _add_id_lists(igaku)
     igaku.set_defaults(func=run_igakuqa)
 
     comp = verbs.add_parser("compare", help="compare two prediction sets (exact McNemar)")
@@ -56,7 +60,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="directory for table.md, table.json, table.png, specialty.png")
     table.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     _add_rule(table)
+    _add_id_lists(table)
     table.set_defaults(func=run_table)
+
+    spec = verbs.add_parser("specialist", help="several systems on a specialist exam (article 001's layouts)",
+                            description="All and All (text only) with Δ and exact McNemar vs the baseline, McNemar "
+                                        "between methods, per-specialty Δ with the best method and the best-method "
+                                        "counts (megatron_rl/tasks/specialist/table.py).")
+    spec.add_argument("systems", nargs="+", metavar="LABEL=PATH",
+                      help="predictions per system: JSONL of {problem_id, output} (`eval generate`) or "
+                           "{problem_id, prediction}")
+    spec.add_argument("--gold", required=True, help="the prompt JSONL from `data prepare specialist`")
+    spec.add_argument("--baseline", default=None, help="label the others are compared with (default: the first)")
+    spec.add_argument("--out", default=None, help="directory for table.md, table.json, table.png, specialty.png")
+    spec.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    _add_id_lists(spec)
+    spec.set_defaults(func=run_specialist)
 
     mcq = verbs.add_parser("mcq", help="accuracy of single-answer MCQ predictions (MedXpertQA, MedMCQA)",
                            description="Score `eval generate` output against the prompt file it was generated "
@@ -111,6 +130,37 @@ def _add_rule(parser: argparse.ArgumentParser) -> None:
                              "(default); 'letter-set' = lenient letter-set parsing")
 
 
+def _add_id_lists(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--include", default=None, metavar="IDS_FILE",
+                        help="count only the questions listed (one id per line, # comments; "
+                             "megatron_rl/data/idlist.py)")
+    parser.add_argument("--exclude", default=None, metavar="IDS_FILE",
+                        help="leave the questions listed out (applied after --include)")
+
+
+def _id_filter(args: argparse.Namespace) -> Any:
+    from megatron_rl.data.idlist import IdFilter
+
+    return IdFilter(args.include, args.exclude)
+
+
+def _filtered_gold(gold: dict[str, Any], id_filter: Any) -> dict[str, Any]:
+    """The gold questions the id lists keep; prints how many (to stderr: --json stays parseable)."""
+    if not id_filter.active:
+        return gold
+    kept = id_filter.apply(gold)
+    print(id_filter.describe(), file=sys.stderr)
+    return {pid: gold[pid] for pid in kept}
+
+
+def _without_dropped(predictions: Any, gold: dict[str, Any], id_filter: Any) -> Any:
+    """Predictions of the questions the id lists dropped are left out, not errors."""
+    if id_filter.active:
+        predictions.predictions = {k: v for k, v in predictions.predictions.items()
+                                   if k in gold or k not in id_filter.dropped}
+    return predictions
+
+
 def _print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, ensure_ascii=False, indent=2)
     sys.stdout.write("\n")
@@ -132,8 +182,9 @@ def run_igakuqa(args: argparse.Namespace) -> int:
     from megatron_rl.tasks.igakuqa.scoring import load_predictions
 
     try:
-        gold = load_igakuqa(args.gold).by_id()
-        predictions = load_predictions(args.pred, args.system)
+        id_filter = _id_filter(args)
+        gold = _filtered_gold(load_igakuqa(args.gold).by_id(), id_filter)
+        predictions = _without_dropped(load_predictions(args.pred, args.system), gold, id_filter)
         report = build_report(evaluate(gold, predictions, args.rule), predictions.system,
                               args.rule)
     except (DataError, OSError) as exc:
@@ -251,7 +302,7 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_system(spec: Any, gold: Any, rule: str) -> list[Any]:
+def _load_system(spec: Any, gold: Any, rule: str, id_filter: Any) -> list[Any]:
     from pathlib import Path
 
     from megatron_rl.tasks.igakuqa.report import evaluate
@@ -260,27 +311,38 @@ def _load_system(spec: Any, gold: Any, rule: str) -> list[Any]:
     path = Path(spec.path)
     # A directory of several systems (e.g. the benchmark's baseline_results): the label names one.
     system = spec.label if path.is_dir() and spec.label in files_by_system(path) else None
-    return evaluate(gold, load_predictions(path, system), rule)
+    return evaluate(gold, _without_dropped(load_predictions(path, system), gold, id_filter), rule)
 
 
 def run_table(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from megatron_rl.data.schema import DataError
     from megatron_rl.tasks.igakuqa.data import load_igakuqa
-    from megatron_rl.tasks.igakuqa.table import build_table, parse_system_spec, plot_table, render_markdown
+    from megatron_rl.tasks.igakuqa.table import build_table, parse_system_spec
 
     try:
         specs = [parse_system_spec(text) for text in args.systems]
         labels = [s.label for s in specs]
         if len(set(labels)) != len(labels):
             raise ValueError(f"system labels must be unique, got {', '.join(labels)}")
-        gold = load_igakuqa(args.gold).by_id()
-        results = {s.label: _load_system(s, gold, args.rule) for s in specs}
+        id_filter = _id_filter(args)
+        gold = _filtered_gold(load_igakuqa(args.gold).by_id(), id_filter)
+        results = {s.label: _load_system(s, gold, args.rule, id_filter) for s in specs}
         table = build_table(results, args.baseline or labels[0], args.rule)
     except (DataError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if id_filter.active:
+        table["questions"] = id_filter.to_dict()
+    return _write_table(table, args)
+
+
+def _write_table(table: dict[str, Any], args: argparse.Namespace) -> int:
+    """table.md, table.json (exact p-values), table.png and specialty.png under --out; the
+    Markdown (or --json) on stdout."""
+    from pathlib import Path
+
+    from megatron_rl.tasks.igakuqa.table import plot_table, render_markdown
+
     markdown = render_markdown(table)
     if args.out:
         out = Path(args.out)
@@ -294,3 +356,22 @@ def run_table(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(markdown)
     return 0
+
+
+def run_specialist(args: argparse.Namespace) -> int:
+    from megatron_rl.data.schema import DataError
+    from megatron_rl.tasks.igakuqa.table import parse_system_spec
+    from megatron_rl.tasks.specialist.table import build_specialist_table, load_gold
+
+    try:
+        specs = [parse_system_spec(text) for text in args.systems]
+        labels = [s.label for s in specs]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"system labels must be unique, got {', '.join(labels)}")
+        id_filter = _id_filter(args)
+        table = build_specialist_table(load_gold(args.gold), specs, args.baseline or labels[0], id_filter)
+    except (DataError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(id_filter.describe(), file=sys.stderr)
+    return _write_table(table, args)

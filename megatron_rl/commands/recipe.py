@@ -34,7 +34,8 @@ def schedule_comment(cfg: RecipeConfig) -> str:
                  f"rollout steps = epochs {cfg.trainer.epochs} × ⌈prompts / {per_rollout}⌉ (the prompt file decides)"]
     else:
         lines = schedule.lines()
-    return "".join(f"# {line}\n" for line in ["schedule:", *lines])
+    return ("".join(f"# {line}\n" for line in ["schedule:", *lines])
+            + f"# log-probs of π_θ, π_old, π_ref and CHORD's SFT terms: {cfg.rollout.logprobs_description()}\n")
 
 
 def run(args: argparse.Namespace) -> int:

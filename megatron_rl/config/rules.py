@@ -337,6 +337,18 @@ def _async_rollout(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     return []
 
 
+@rule("correction-at-raw-logprobs")
+def _correction_raw(cfg: RecipeConfig, hf: HF) -> list[Finding]:
+    r = cfg.rollout
+    if cfg.correction_mode != "none" and r.logprobs_mode == "raw" and r.temperature != 1.0:
+        return [Finding("warning", "correction-at-raw-logprobs", "rollout.logprobs_mode",
+                        f"the mismatch correction weighs by π_old / π_rollout, and with logprobs_mode raw both are at "
+                        f"T = 1 while sampling was at T = {r.temperature:g}: the weights correct the version and "
+                        "engine gap only, not toward the distribution sampled from; logprobs_mode processed makes "
+                        "them the behaviour policy's")]
+    return []
+
+
 @rule("lora-sleep")
 def _lora_sleep(cfg: RecipeConfig, hf: HF) -> list[Finding]:
     # Level 2 drops the server's weights; a LoRA sync after the wake sends only the adapted tensors

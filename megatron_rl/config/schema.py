@@ -138,7 +138,14 @@ class RolloutConfig:
     dry-run's length check and `eval generate --recipe`. The lint warns when the template opens a
     thinking block and `max_response_length` is under 1024 tokens."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
-    """Which log-probs vLLM returns: 'processed' = of logits/T (the sampling policy), 'raw' = of logits."""
+    """The temperature of every log-prob of the run, the trainer's and the servers': 'processed' =
+    of logits / `temperature` (the sampling policy; HF/TRL's and ms-swift's transformers GRPO
+    trainer, article 000), 'raw' = of the logits, T = 1 (ms-swift 3.11's Megatron GRPO trainer,
+    article 001: π_θ, π_old and π_ref are −CE of the raw logits; ms-swift #8427 added the ÷T later).
+    The trainer computes π_θ, π_old, π_ref and CHORD's SFT NLL and φ at `logprobs_temperature`, and
+    vLLM returns the sampled tokens' log-probs at it (`--logprobs-mode`), so the two compare like
+    with like. The weight-sync verification compares prompt log-probs at T = 1 on both sides in
+    either mode (vLLM scores prompt tokens without the sampling processors)."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """Rollout servers share the trainer's GPUs (colocated: one server per trainer node, started by
     that node's first rank) or run on their own nodes (disaggregated: one server per rollout node)."""
@@ -243,6 +250,14 @@ class RolloutConfig:
         logits/T), 1 for 'raw'."""
         return self.temperature if self.logprobs_mode == "processed" else 1.0
 
+    def logprobs_description(self) -> str:
+        """One line for `recipe show` and the start-up summary: which temperature, and whose."""
+        if self.logprobs_mode == "raw":
+            return ("T = 1 (rollout.logprobs_mode raw: raw logits, as ms-swift 3.11's Megatron trainer; "
+                    f"sampling at T = {self.temperature:g})")
+        return (f"T = {self.temperature:g} (rollout.logprobs_mode processed: logits ÷ the sampling temperature, "
+                "as the transformers GRPO trainer)")
+
 
 @dataclass(kw_only=True)
 class ChordConfig:
@@ -322,8 +337,9 @@ class AlgorithmConfig:
     """KL estimator (k3 = Schulman's low-variance estimator)."""
     kl_in_reward: bool = False
     """Apply the KL penalty to the reward instead of the loss."""
-    kl_clamp: float = spec(10.0, gt=0.0)
-    """Clamp of the per-token KL estimate (numerical safety)."""
+    kl_clamp: float | None = spec(10.0, gt=0.0)
+    """Clamp of the per-token KL estimate to ±kl_clamp (numerical safety: k3 grows like exp(|δ|));
+    null = no clamp, as ms-swift's GRPO trainers (the 001 recipes)."""
     entropy_coef: float = spec(0.0, ge=0.0)
     """Entropy bonus coefficient."""
     steps_per_generation: int = spec(1, ge=1)

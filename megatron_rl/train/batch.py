@@ -105,7 +105,7 @@ def probe(tokenizer: Any, prompts: Sequence[list[int]], seq_len: int, pad: int, 
     return TrainBatch(tokens=tokens, mask=mask, advantages=torch.zeros(len(first)))
 
 
-def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float) -> torch.Tensor:
+def kl_penalty(batch: TrainBatch, beta: float, estimator: str, clamp: float | None) -> torch.Tensor:
     """β · Σ_t KL_t(π_old ‖ π_ref) per sample, for KL applied to the reward instead of the loss."""
     from ..objectives import kl_estimate
 

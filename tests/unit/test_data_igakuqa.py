@@ -106,6 +106,8 @@ def test_reader_accepts_the_data_subdirectory_and_year_filter() -> None:
 
 def test_parse_problem_id() -> None:
     assert parse_problem_id("116A71") == (116, "A", 71)
+    assert parse_problem_id("95A1") == (95, "A", 1)           # exams 95–99 (2001–2005)
+    assert parse_problem_id("095A1") == (95, "A", 1)
     assert parse_problem_id("112a1") is None
     assert parse_problem_id("x") is None
 
@@ -172,6 +174,21 @@ def test_metadata_and_duplicates(tmp_path: Path) -> None:
     write_lines(root / "other" / "112-B.jsonl", [question_line("112B1")])
     with pytest.raises(DataError, match="duplicate problem_id '112B1'"):
         load_igakuqa(root)
+
+
+def test_two_digit_exams_load_by_year_with_their_metadata(tmp_path: Path) -> None:
+    """Exams 95–99 (2001–2005) are numbered with two digits: read, not skipped, zero-padded or not."""
+    root = tmp_path / "igaku"
+    write_lines(root / "2001" / "95-A.jsonl", [question_line("95A1"), question_line("95A2")])
+    write_lines(root / "2001" / "95-A_metadata.jsonl", [json.dumps({"problem_id": "95A1", "category": "救急"})])
+    write_lines(root / "2005" / "099-B.jsonl", [question_line("099B1")])
+    write_lines(root / "2005" / "099-B_metadata.jsonl", [json.dumps({"problem_id": "099B1", "category": "小児"})])
+    write_lines(root / "2018" / "112-A.jsonl", [question_line("112A1")])
+    assert load_igakuqa(root).years == [2001, 2005, 2018]
+    q1, q2 = load_igakuqa(root, years=[2001]).questions
+    assert (q1.exam, q1.year, q1.exam_block, q1.category, q2.problem_id) == (95, 2001, "95-A", "救急", "95A2")
+    (q3,) = load_igakuqa(root, years=[2005]).questions
+    assert (q3.exam, q3.category) == (99, "小児")
 
 
 def test_wrong_exam_in_problem_id_and_empty_directory(tmp_path: Path) -> None:

@@ -190,3 +190,55 @@ def test_real_baselines_in_one_table(tmp_path: Path) -> None:
     assert len(data["by_specialty"]) == 28
     with pytest.raises(DataError, match="baseline 'base'"):
         build_table(results, "base", "official")
+
+
+def _correct_ids(system: str, rule: str) -> dict[str, bool]:
+    results = evaluate(load_igakuqa(FIXTURE).by_id(), load_predictions(FIXTURE_BASELINES, system), rule)
+    return {r.question.problem_id: r.correct for r in results}
+
+
+def test_include_and_exclude_lists_choose_the_questions(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--include` then `--exclude` (one id per line, # comments): the table counts exactly the ids
+    left, each system's score is its own on those ids, and the count is printed."""
+    include = tmp_path / "include.txt"
+    include.write_text("# 2018 only\n" + "\n".join(f"112A{i}" for i in range(1, 9)) + "\n112B1\n112B30\n",
+                       encoding="utf-8")
+    exclude = tmp_path / "exclude.txt"
+    exclude.write_text("112A3  # a flawed one\n\n112B30\n", encoding="utf-8")
+    argv = ["eval", "table", f"alpha={FIXTURE_BASELINES}", f"beta={FIXTURE_BASELINES}", "--gold", str(FIXTURE),
+            "--include", str(include), "--exclude", str(exclude), "--json"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert (f"questions: 20 in the gold data, 8 counted (--include {include}: 10 ids; "
+            f"--exclude {exclude}: 2 ids)") in captured.err
+    data = json.loads(captured.out)
+    kept = [*(f"112A{i}" for i in (1, 2, 4, 5, 6, 7, 8)), "112B1"]
+    for row in data["rows"]:
+        expected = _correct_ids(row["system"], "official")
+        assert row["cells"]["All"]["n"] == len(kept)
+        assert row["cells"]["All"]["correct"] == sum(expected[pid] for pid in kept)
+    assert data["questions"]["kept"] == 8
+
+
+def test_eval_igakuqa_takes_an_exclude_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    exclude = tmp_path / "exclude.txt"
+    exclude.write_text("116A1\n116A71\n", encoding="utf-8")
+    argv = ["eval", "igakuqa", "--pred", str(FIXTURE_BASELINES), "--system", "gamma", "--gold", str(FIXTURE),
+            "--exclude", str(exclude), "--json"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "20 in the gold data, 18 counted" in captured.err
+    expected = _correct_ids("gamma", "official")
+    assert json.loads(captured.out)["overall"]["n"] == 18
+    assert json.loads(captured.out)["overall"]["correct"] == sum(v for k, v in expected.items()
+                                                                 if k not in {"116A1", "116A71"})
+
+
+def test_an_unknown_id_in_a_list_is_an_error_at_its_line(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    ids = tmp_path / "ids.txt"
+    ids.write_text("112A1\n# typo below\n112A99\n", encoding="utf-8")
+    argv = ["eval", "table", f"alpha={FIXTURE_BASELINES}", "--gold", str(FIXTURE), "--include", str(ids)]
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err.strip() == f"error: {ids}:3: id '112A99' is not a question of the gold data"

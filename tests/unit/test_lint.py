@@ -372,3 +372,12 @@ def test_sync_delta_on_is_refused_where_every_version_goes_whole() -> None:
     (msg,) = findings("grpo.yaml", "rollout.sync_delta=on", "rollout.sleep_level=2")["sync-delta"]
     assert msg.startswith("error|rollout.sync_delta|") and "level-2 sleep" in msg and "'auto'" in msg
     assert "sync-delta" not in findings("grpo.yaml", "rollout.sync_delta=auto", "rollout.sleep_level=2")
+
+
+def test_a_correction_at_raw_log_probs_is_a_warning() -> None:
+    raw = ("algorithm.correction.mode=tis_token", "rollout.logprobs_mode=raw", "rollout.temperature=0.9")
+    (msg,) = findings("grpo.yaml", *raw)["correction-at-raw-logprobs"]
+    assert msg.startswith("warning|rollout.logprobs_mode|") and "T = 0.9" in msg and "processed" in msg
+    assert "correction-at-raw-logprobs" not in findings("grpo.yaml", *raw[:2], "rollout.temperature=1.0")
+    assert "correction-at-raw-logprobs" not in findings("grpo.yaml", raw[0], "rollout.logprobs_mode=processed")
+    assert "correction-at-raw-logprobs" not in findings("grpo.yaml", *raw[1:])      # no correction

@@ -3,7 +3,8 @@
 Layout (as published in jungokasai/IgakuQA): `data/<year>/<exam>-<block>.jsonl` with
 `problem_id, problem_text, choices, answer, points, text_only`, and next to each block file an
 optional `<exam>-<block>_metadata.jsonl` with `category` (specialty) and `kinki` (prohibited
-choices). Exams 112–116 are the years 2018–2022 (year = exam + 1906); blocks are A–F, of which B
+choices). Exams 112–116 are the years 2018–2022 (year = exam + 1906; exams 95–99, 2001–2005, have
+two-digit numbers, `95-A.jsonl` / `95A1`, read alike, zero-padded or not); blocks are A–F, of which B
 and E are the required (必修) blocks — their point totals are exactly the official 必修 totals
 (200, or 197 in years with an excluded question).
 
@@ -40,8 +41,8 @@ REQUIRED_BLOCKS: frozenset[str] = frozenset({"B", "E"})
 ALL_CORRECT_IDS: frozenset[str] = frozenset({"116A71"})
 ALTERNATIVE_SEPARATOR = " or "
 
-_PROBLEM_ID = re.compile(r"(\d{3})([A-Z])(\d{1,3})")
-_BLOCK_FILE = re.compile(r"(\d{3})-([A-Z])\.jsonl")
+_PROBLEM_ID = re.compile(r"(\d{2,3})([A-Z])(\d{1,3})")
+_BLOCK_FILE = re.compile(r"(\d{2,3})-([A-Z])\.jsonl")
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def read_block(path: str | os.PathLike[str], *, on_malformed: str = "error",
         raise DataError("not an IgakuQA block file (expected <exam>-<block>.jsonl)", path)
     exam, block = int(match.group(1)), match.group(2)
     metadata: dict[str, _Metadata] = {}
-    meta_path = path.with_name(f"{exam}-{block}_metadata.jsonl")
+    meta_path = path.with_name(f"{path.stem}_metadata.jsonl")  # as named: "095-A" stays "095-A"
     if meta_path.exists():
         meta_stats = ReadStats(str(meta_path))
         metadata = dict(read_jsonl(meta_path, _parse_metadata, on_malformed=on_malformed,

@@ -42,7 +42,7 @@ from ...data.schema import DataError, Location, read_jsonl, require
 from ..mcq.answer import extract_answer, parse_choice_set
 from .data import ALL_CORRECT_IDS, IgakuQAQuestion
 
-_PREDICTION_FILE = re.compile(r"(\d{3})-([A-Z])_(.+)\.jsonl")
+_PREDICTION_FILE = re.compile(r"(\d{2,3})-([A-Z])_(.+)\.jsonl")
 OFFICIAL = "official"
 LETTER_SET = "letter-set"
 RULES: tuple[str, ...] = (OFFICIAL, LETTER_SET)

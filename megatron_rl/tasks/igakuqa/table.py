@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ...data.schema import DataError
 from .report import QuestionResult, markdown_table, pct
@@ -48,8 +48,15 @@ def parse_system_spec(text: str) -> SystemSpec:
     return SystemSpec(label.strip(), path.strip())
 
 
-def _cell(ids: list[str], results: Mapping[str, QuestionResult],
-          base: Mapping[str, QuestionResult] | None) -> dict[str, Any]:
+class Outcome(Protocol):
+    """One system's verdict on one question: all the paired layouts read."""
+
+    @property
+    def correct(self) -> bool: ...
+
+
+def _cell(ids: list[str], results: Mapping[str, Outcome],
+          base: Mapping[str, Outcome] | None) -> dict[str, Any]:
     correct = [results[i].correct for i in ids]
     n = len(ids)
     cell: dict[str, Any] = {"n": n, "correct": sum(correct),
@@ -62,23 +69,22 @@ def _cell(ids: list[str], results: Mapping[str, QuestionResult],
     return cell
 
 
-def _subsets(ids: list[str], any_results: Mapping[str, QuestionResult],
-             key: Callable[[QuestionResult], Any]) -> dict[Any, list[str]]:
+def _subsets(ids: list[str], key: Callable[[str], Any]) -> dict[Any, list[str]]:
     groups: dict[Any, list[str]] = {}
     for pid in ids:
-        groups.setdefault(key(any_results[pid]), []).append(pid)
+        groups.setdefault(key(pid), []).append(pid)
     return groups
 
 
 def _columns(ids: list[str], first: Mapping[str, QuestionResult]) -> dict[str, list[str]]:
-    years = _subsets(ids, first, lambda r: r.question.year)
+    years = _subsets(ids, lambda pid: first[pid].question.year)
     columns = {str(year): years[year] for year in sorted(years)}
     columns[ALL] = ids
     columns[TEXT_ONLY] = [pid for pid in ids if first[pid].question.text_only]
     return columns
 
 
-def _pairwise(labels: list[str], by_id: Mapping[str, Mapping[str, QuestionResult]],
+def _pairwise(labels: list[str], by_id: Mapping[str, Mapping[str, Outcome]],
               columns: Mapping[str, list[str]]) -> list[dict[str, Any]]:
     rows = []
     for i, a in enumerate(labels):
@@ -89,10 +95,9 @@ def _pairwise(labels: list[str], by_id: Mapping[str, Mapping[str, QuestionResult
     return rows
 
 
-def _specialties(labels: list[str], baseline: str,
-                 by_id: Mapping[str, Mapping[str, QuestionResult]],
-                 ids: list[str]) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    groups = _subsets(ids, by_id[baseline], lambda r: r.question.category or "(none)")
+def _specialties(labels: list[str], baseline: str, by_id: Mapping[str, Mapping[str, Outcome]],
+                 ids: list[str], specialty: Callable[[str], str]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    groups = _subsets(ids, specialty)
     methods = [label for label in labels if label != baseline] or [baseline]
     counts = dict.fromkeys(methods, 0)
     rows = []
@@ -105,6 +110,26 @@ def _specialties(labels: list[str], baseline: str,
             counts[m] += 1
         rows.append({"specialty": name, "n": len(members), "systems": cells, "best": best})
     return rows, counts
+
+
+def paired_layouts(by_id: Mapping[str, Mapping[str, Outcome]], baseline: str,
+                   columns: Mapping[str, list[str]], specialty: Callable[[str], str]) -> dict[str, Any]:
+    """The three layouts (accuracy with Δ and McNemar vs `baseline`, McNemar between methods, per
+    specialty with the best method) of systems scored on the same questions. `columns` maps each
+    column name to its question ids and holds `ALL` and `TEXT_ONLY`; `specialty` names a question's
+    specialty. Shared by IgakuQA (`build_table`) and the specialist exam (`tasks/specialist`)."""
+    labels = list(by_id)
+    if baseline not in by_id:
+        raise DataError(f"baseline {baseline!r} is not one of the systems ({', '.join(labels)})")
+    rows = [{"system": label, "baseline": label == baseline,
+             "cells": {column: _cell(members, by_id[label],
+                                     None if label == baseline else by_id[baseline])
+                       for column, members in columns.items()}} for label in labels]
+    methods = [label for label in labels if label != baseline]
+    specialties, best_counts = _specialties(labels, baseline, by_id, columns[ALL], specialty)
+    return {"baseline": baseline, "systems": labels, "columns": list(columns), "rows": rows,
+            "pairwise": _pairwise(methods, by_id, columns),
+            "by_specialty": specialties, "best_counts": best_counts}
 
 
 def build_table(results: Mapping[str, list[QuestionResult]], baseline: str,
@@ -120,18 +145,11 @@ def build_table(results: Mapping[str, list[QuestionResult]], baseline: str,
         raise DataError("the systems share no IgakuQA exam block")
     blocks = {label: {r.question.exam_block for r in rs} for label, rs in results.items()}
     shared_blocks = set.intersection(*blocks.values())
-    columns = _columns(ids, by_id[baseline])
-    rows = [{"system": label, "baseline": label == baseline,
-             "cells": {column: _cell(members, by_id[label],
-                                     None if label == baseline else by_id[baseline])
-                       for column, members in columns.items()}} for label in labels]
-    methods = [label for label in labels if label != baseline]
-    specialties, best_counts = _specialties(labels, baseline, by_id, ids)
-    return {"rule": check_rule(rule), "baseline": baseline, "systems": labels,
-            "excluded_blocks": sorted(set.union(*blocks.values()) - shared_blocks),
-            "columns": list(columns), "rows": rows,
-            "pairwise": _pairwise(methods, by_id, columns),
-            "by_specialty": specialties, "best_counts": best_counts}
+    first = by_id[baseline]
+    layouts = paired_layouts(by_id, baseline, _columns(ids, first),
+                             lambda pid: first[pid].question.category or "(none)")
+    return {"benchmark": "IgakuQA", "rule": check_rule(rule), "baseline": baseline, "systems": labels,
+            "excluded_blocks": sorted(set.union(*blocks.values()) - shared_blocks), **layouts}
 
 
 def _delta_text(cell: Mapping[str, Any]) -> str:
@@ -180,11 +198,14 @@ def _specialty_table(table: Mapping[str, Any]) -> str:
 def render_markdown(table: Mapping[str, Any]) -> str:
     baseline = table["baseline"]
     counts = ", ".join(f"{m} {n}" for m, n in table["best_counts"].items())
-    parts = [f"## IgakuQA: {', '.join(table['systems'])} (baseline {baseline})", "",
-             f"Scoring rule: {RULE_DESCRIPTIONS[table['rule']]}. Δ = points vs {baseline}; "
+    rule = f"Scoring rule: {RULE_DESCRIPTIONS[table['rule']]}. " if "rule" in table else ""
+    parts = [f"## {table['benchmark']}: {', '.join(table['systems'])} (baseline {baseline})", "",
+             f"{rule}Δ = points vs {baseline}; "
              f"exact two-sided McNemar vs {baseline}: * p < 0.05, ** p < 0.01 (exact p in the "
              f"JSON).", ""]
-    if table["excluded_blocks"]:
+    for line in table.get("notes", []):
+        parts += [line, ""]
+    if table.get("excluded_blocks"):
         parts += [f"Blocks not scored for every system (left out): "
                   f"{', '.join(table['excluded_blocks'])}", ""]
     parts += ["### Accuracy", "", _accuracy_table(table), "",
@@ -231,7 +252,7 @@ def plot_table(table: Mapping[str, Any], accuracy_png: str | os.PathLike[str],
         ax.set_xticks(range(len(columns)), columns)
         ax.set_ylabel("accuracy (%)")
         ax.set_ylim(0, 110)
-        ax.set_title(f"IgakuQA accuracy (* p<0.05, ** p<0.01 vs {table['baseline']})")
+        ax.set_title(f"{table['benchmark']} accuracy (* p<0.05, ** p<0.01 vs {table['baseline']})")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         first = _save(fig, accuracy_png)
     finally:
@@ -257,7 +278,7 @@ def plot_table(table: Mapping[str, Any], accuracy_png: str | os.PathLike[str],
         ax.axvline(0, color="black", linewidth=0.8)
         ax.invert_yaxis()
         ax.set_xlabel(f"accuracy Δ vs {table['baseline']} (points)")
-        ax.set_title("IgakuQA per specialty")
+        ax.set_title(f"{table['benchmark']} per specialty")
         if methods:
             ax.legend(fontsize=8)
         second = _save(fig, specialty_png)
