@@ -160,7 +160,8 @@ def merged_sync(hf: dict[str, Any], quant: Any, twin: Any, dtype: torch.dtype) -
             "max_rel_err": err, "nf4_restored": still_nf4}
 
 
-def hf_load_errors(hf: dict[str, Any], hf_dir: str, device: torch.device, layout: ParallelismConfig) -> dict[str, float]:
+def hf_load_errors(hf: dict[str, Any], hf_dir: str, device: torch.device,
+                   layout: ParallelismConfig) -> dict[str, float]:
     """Per NF4 weight of this rank: max |Δ| (relative to its max) between what QLoRA holds after
     the HF load and the NF4 image of the dense model's shard at the same layout.
 

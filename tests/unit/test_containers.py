@@ -240,7 +240,8 @@ def test_install_order_holds_torch_with_a_constraint_pip_can_satisfy(tmp_path: P
         (tmp_path / "torch").unlink(missing_ok=True)
         wheels.mkdir(exist_ok=True)
         bad = subprocess.run(["bash", str(CONTAINERS / "install_in_image.sh"), str(src), str(wheels)],
-                             env={**env, **broken, "FAKE_LOG": str(tmp_path / "bad.jsonl")}, capture_output=True, text=True)
+                             env={**env, **broken, "FAKE_LOG": str(tmp_path / "bad.jsonl")}, capture_output=True,
+                             text=True)
         assert bad.returncode == 1 and said in bad.stderr, bad.stdout + bad.stderr
 
 

@@ -75,7 +75,8 @@ def _fleet_with_gate_results(diagnoses: list[Any], over_gate: list[bool]) -> Any
     return fleet
 
 
-def test_a_failed_gate_with_every_tensor_intact_warns_and_three_in_a_row_stop(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_failed_gate_with_every_tensor_intact_warns_and_three_in_a_row_stop(
+        capsys: pytest.CaptureFixture[str]) -> None:
     """Audit 3 #6: one bf16 excursion over the gate, with the checksums proving the weights arrived
     byte for byte, used to end the run; now it warns and goes on, and a checksum mismatch (or three
     intact failures in a row) still stops."""
