@@ -71,8 +71,10 @@ def run(tmp_path: Path, wheels: bool = True, **env: str) -> tuple[subprocess.Com
     stub.write_text(f"#!{sys.executable}\nREAL = {sys.executable!r}\n{STAND_IN}")
     stub.chmod(0o755)
     log = tmp_path / "calls.jsonl"
+    # A bare box's environment: none of the TF32 switches that tests/gpu/conftest.py sets when imported.
+    bare = {k: v for k, v in os.environ.items() if "TF32" not in k}
     proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHON": str(stub), "OUT": str(out), "WHEELS": str(wheel_dir),
+                          env={**bare, "PYTHON": str(stub), "OUT": str(out), "WHEELS": str(wheel_dir),
                                "STUB_LOG": str(log), "TMPDIR": str(tmp_path), **env})
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc, out, calls
