@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.planner.lora import dequantize_bytes_per_param
+from tests.helpers.gpu import require
 from tests.mp.launch import torchrun
 
 LOCAL_LINEARS = ("ColumnParallelLinear", "RowParallelLinear")   # = tests/helpers/qlora.py's (imports megatron)
@@ -28,6 +29,7 @@ SYNC_REL = 1e-6
 
 
 def test_qlora_spec_with_an_nf4_base_on_one_gpu(tmp_path: Path) -> None:
+    require("torchao", why="QLoRA's NF4 base")
     out = tmp_path / "qlora.json"
     torchrun("qlora_worker.py", str(out), nproc=1, cuda=True)
     (r,) = json.loads(out.read_text())

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.gpu import require
 from tests.helpers.models import TINY_MOE
 from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
 from tests.mp.launch import torchrun
@@ -20,6 +21,7 @@ TOLERANCE = 2e-3
 
 
 def test_cuda_server_reloads_synced_weights(tmp_path: Path) -> None:
+    require("vllm", why="a vLLM server on the GPU")
     model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model", seed=4)
     server = start_server(model, tmp_path / "run", gpu_memory_utilization=0.3)
     try:

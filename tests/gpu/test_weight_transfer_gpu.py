@@ -20,6 +20,7 @@ import torch
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.sync import make_transport
 from megatron_rl.weights.hf_io import HFCheckpointReader
+from tests.helpers.gpu import require
 from tests.helpers.models import TINY_MOE
 from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
 
@@ -36,6 +37,7 @@ def _hf_logprobs(model_dir: Path, state: dict[str, torch.Tensor], sequences: lis
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_gpu_backend_syncs_new_weights_into_a_cuda_server(backend: str, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    require("vllm", why="a vLLM server on the GPU")
     if backend == "nccl":
         if torch.cuda.device_count() < 2:
             pytest.skip("the nccl test needs 2 GPUs (NCCL refuses two ranks on one device)")

@@ -36,7 +36,7 @@ TINY_QWEN3_NEXT: dict[str, Any] = dict(
 DENSE_TIED: dict[str, Any] = {**TINY_DENSE, "tie_word_embeddings": True}
 
 
-def _perturbed_checkpoint(out: Path) -> Path:
+def perturbed_checkpoint(out: Path, fields: dict[str, Any] = TINY_QWEN3_NEXT) -> Path:
     """The tiny checkpoint with non-trivial norms, decays and conv weights.
 
     A fresh HF model has every norm at its identity value (zero-centred w = 0, GDN norm w = 1), so
@@ -45,7 +45,7 @@ def _perturbed_checkpoint(out: Path) -> Path:
     """
     from transformers import AutoModelForCausalLM
 
-    base = build_tiny_hf_checkpoint(TINY_QWEN3_NEXT, out / "base", seed=0)
+    base = build_tiny_hf_checkpoint(fields, out / "base", seed=0)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -64,7 +64,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("qwen3_next")
-    ckpt = _perturbed_checkpoint(root)
+    ckpt = perturbed_checkpoint(root)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     tokens = torch.randint(0, TINY_QWEN3_NEXT["vocab_size"], (2, 80), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

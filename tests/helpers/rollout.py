@@ -56,8 +56,9 @@ def tiny_model_with_tokenizer(fields: dict, out: Path, seed: int = 0) -> Path:
 
 def start_server(model: Path, run_dir: Path, server_cls: type[RolloutServer] = RolloutServer,
                  **overrides: object) -> RolloutServer:
-    cfg = RolloutConfig(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=600,
-                        max_retries=6, **overrides)
+    defaults: dict[str, Any] = dict(enforce_eager=True, dtype="float32", max_concurrency=16, startup_timeout_s=600,
+                                    max_retries=6)
+    cfg = RolloutConfig(**{**defaults, **overrides})    # type: ignore[arg-type]
     server = server_cls(str(model), run_dir, cfg, max_model_len=128)
     try:
         server.start()
