@@ -128,7 +128,8 @@ def _tp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         out = vocab_parallel_logprobs(x, target, tp_group=dist.group.WORLD, temperature=TP_T, chunk_size=TP_CHUNK)
         g = objective_grads(x, out.logprobs, out.entropy, w1, w2)
         torch.save({"logp": out.logprobs, "entropy": out.entropy, "grad": g}, os.path.join(out_dir, f"{rank}.pt"))
-        torch.save({sp: _fused_tp_case(rank, world, sp) for sp in (False, True)}, os.path.join(out_dir, f"fused{rank}.pt"))
+        fused = {sp: _fused_tp_case(rank, world, sp) for sp in (False, True)}
+        torch.save(fused, os.path.join(out_dir, f"fused{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
