@@ -355,7 +355,7 @@ def stage_memory(params: ModelParams, cfg: RecipeConfig, stage: int, colocated_v
              f"{len(layers)} layers × {in_flight:g} micro-batch(es) in flight"),
         Term("logits", "logits (last stage)", logits / GB,
              "fused head: one chunk at a time" if cfg.trainer.fused_lm_head and logits else ""),
-        Term("te_buffer", "TE cross-entropy buffer (fp32 gradient)", te_buffer / GB,
+        Term("te_buffer", "TE cross-entropy fp32 buffer", te_buffer / GB,
              "trainer.fused_lm_head false: TE's kernel in the forwards without entropy" if te_buffer else ""),
         # With LoRA the reference is the base with the adapters off: no second copy.
         Term("reference", "reference model (bf16)",
