@@ -1,4 +1,5 @@
-"""Peak extra memory and time: chunked ``vocab_parallel_logprobs`` vs the naive path.
+"""Peak extra memory and time: chunked ``vocab_parallel_logprobs`` vs the naive path (and, with
+``--fused``, the fused LM head vs both, from the hidden states).
 
 Naive: ``log_softmax(logits).gather(target)`` plus entropy ``−Σ p·log p`` from the
 same log-softmax. Both variants compute log-prob AND entropy; forward+backward
@@ -10,6 +11,15 @@ allocated. CPU allocations this large are ``mmap``-backed and returned on free, 
 RSS follows live tensors. Usage:
 
     python bench/logprobs_bench.py [--tokens 4096] [--vocab 151936] [--chunk-size 0]
+
+``--fused [--hidden 4096]``: every variant starts from hidden states ``[tokens, hidden]`` and an
+output weight ``[vocab, hidden]``: naive and chunked compute the logits with the output layer's GEMM
+first, the fused head (`fused_head.py`) never does. The weight has a preallocated float32
+``main_grad`` (DDP's gradient buffer, part of the baseline): naive and chunked add autograd's weight
+gradient into it from a post-accumulate hook (DDP's), the fused head accumulates into it directly
+(megatron's gradient-accumulation fusion). On the CPU the fused head's placeholder gradient is never
+touched, so RSS does not count it; on a GPU it is one weight-sized allocation (megatron's own
+non-TE path allocates the same).
 """
 
 from __future__ import annotations
@@ -24,9 +34,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _report import emit  # noqa: E402  (bench/, the script's own directory)
+
 VARIANTS = ("chunked_fwd", "naive_fwd", "chunked_fwd_bwd", "naive_fwd_bwd")
+HEAD_VARIANTS = tuple(f"head_{v}_{m}" for m in ("fwd", "fwd_bwd") for v in ("naive", "chunked", "fused"))
 # Rough peak of each variant in units of the logits' size, to skip what cannot fit.
-_FOOTPRINT = {"chunked_fwd": 1.5, "naive_fwd": 4.0, "chunked_fwd_bwd": 2.5, "naive_fwd_bwd": 6.0}
+_FOOTPRINT = {"chunked_fwd": 1.5, "naive_fwd": 4.0, "chunked_fwd_bwd": 2.5, "naive_fwd_bwd": 6.0,
+              "head_chunked_fwd": 1.5, "head_naive_fwd": 4.0, "head_fused_fwd": 0.0,
+              "head_chunked_fwd_bwd": 2.5, "head_naive_fwd_bwd": 6.0, "head_fused_fwd_bwd": 0.0}
 
 
 def _rss_peak_bytes() -> int:
@@ -73,14 +88,56 @@ def run_variant(variant: str, tokens: int, vocab: int, chunk_size: int) -> dict[
     return {"peak_extra_bytes": _rss_peak_bytes() - baseline, "seconds": seconds}
 
 
+def _ddp_hook(weight: Any) -> None:
+    """DDP's post-accumulate hook: the gradient into `main_grad` unless already there, then freed."""
+    if not weight.grad_added_to_main_grad:
+        weight.main_grad.add_(weight.grad)
+    weight.grad = None
+
+
+def run_head_variant(variant: str, tokens: int, vocab: int, hidden: int, chunk_size: int) -> dict[str, float]:
+    """One `--fused` variant, from hidden states and an output weight (meant for a fresh subprocess)."""
+    import torch
+
+    from megatron_rl.fused_head import fused_head_logprobs
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    backward = variant.endswith("fwd_bwd")
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=gen).requires_grad_(backward)
+    w = torch.nn.Parameter(torch.randn(vocab, hidden, generator=gen).mul_(3 / hidden ** 0.5), requires_grad=backward)
+    if backward:
+        w.main_grad = torch.zeros(vocab, hidden)             # type: ignore[attr-defined]
+        w.grad_added_to_main_grad = False                     # type: ignore[attr-defined]
+        w.register_post_accumulate_grad_hook(_ddp_hook)
+    target = torch.randint(0, vocab, (tokens,), generator=gen)
+    w1, w2 = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
+    baseline = _rss_peak_bytes()
+    start = time.perf_counter()
+    with torch.set_grad_enabled(backward):
+        if "fused" in variant:
+            out = fused_head_logprobs(h, w, target, chunk_size=chunk_size or None, into_main_grad=True)
+            logp, entropy = out.logprobs, out.entropy
+        elif "naive" in variant:
+            logp, entropy = _naive(h @ w.t(), target)
+        else:
+            logp, entropy = _chunked(h @ w.t(), target, chunk_size)
+        if backward:
+            (logp * w1 + entropy * w2).sum().backward()
+    seconds = time.perf_counter() - start
+    return {"peak_extra_bytes": _rss_peak_bytes() - baseline, "seconds": seconds}
+
+
 def _spawn(variant: str, args: argparse.Namespace) -> dict[str, float | str]:
     import psutil
 
     need = _FOOTPRINT[variant] * args.tokens * args.vocab * 4
+    if variant.startswith("head_"):     # weight, main_grad, a weight gradient, chunk temporaries
+        need += 3 * args.vocab * args.hidden * 4 + 2**30
     if psutil.virtual_memory().available < need * 1.2:
         return {"skipped": f"needs ~{need / 2**30:.1f} GiB, not available"}
     cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens),
-           "--vocab", str(args.vocab), "--chunk-size", str(args.chunk_size)]
+           "--vocab", str(args.vocab), "--chunk-size", str(args.chunk_size), "--hidden", str(args.hidden)]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -93,10 +150,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--chunk-size", type=int, default=0, help="0 = library default")
-    parser.add_argument("--child", choices=VARIANTS)
+    parser.add_argument("--fused", action="store_true", help="from hidden states: naive, chunked and fused head")
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (--fused)")
+    parser.add_argument("--tokens-list", type=str, default="", help="--fused: comma-separated token counts")
+    parser.add_argument("--child", choices=VARIANTS + HEAD_VARIANTS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_variant(args.child, args.tokens, args.vocab, args.chunk_size)))
+        run = run_head_variant(args.child, args.tokens, args.vocab, args.hidden, args.chunk_size) \
+            if args.child.startswith("head_") else run_variant(args.child, args.tokens, args.vocab, args.chunk_size)
+        print(json.dumps(run))
+        return
+    if args.fused:
+        started = time.perf_counter()
+        rows = [int(t) for t in args.tokens_list.split(",")] if args.tokens_list else [args.tokens]
+        emit({"vocab": args.vocab, "hidden": args.hidden, "chunk_size": args.chunk_size,
+              "threads": int(os.environ.get("BENCH_THREADS", "1")), "loadavg_start": os.getloadavg(),
+              "rows": [_fused_row(argparse.Namespace(**{**vars(args), "tokens": t})) for t in rows]},
+             started, None)
         return
     results = {v: _spawn(v, args) for v in VARIANTS}
     report: dict[str, object] = {
@@ -109,6 +179,20 @@ def main() -> None:
             report[f"memory_ratio_{mode}"] = ours["peak_extra_bytes"] / naive["peak_extra_bytes"]
             report[f"time_ratio_{mode}"] = ours["seconds"] / naive["seconds"]
     print(json.dumps(report, indent=2))
+
+
+def _fused_row(args: argparse.Namespace) -> dict[str, Any]:
+    """One token count of `--fused`: every variant, and the fused head's ratios to the others."""
+    results = {v.removeprefix("head_"): _spawn(v, args) for v in HEAD_VARIANTS}
+    row: dict[str, Any] = {"tokens": args.tokens, "logits_bytes": args.tokens * args.vocab * 4, "variants": results}
+    for mode in ("fwd", "fwd_bwd"):
+        fused = results[f"fused_{mode}"]
+        for other in ("naive", "chunked"):
+            base = results[f"{other}_{mode}"]
+            if "peak_extra_bytes" in fused and "peak_extra_bytes" in base:
+                row[f"fused_vs_{other}_{mode}"] = {"memory": fused["peak_extra_bytes"] / base["peak_extra_bytes"],
+                                                   "time": fused["seconds"] / base["seconds"]}
+    return row
 
 
 if __name__ == "__main__":

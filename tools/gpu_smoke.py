@@ -90,16 +90,20 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _logprob_check(actor: Any, batch: Any) -> float:
-    """Max |Δ| of the actor's log-prob kernel vs float64 on the same logits."""
+    """Max |Δ| of the actor's log-prob kernels (the chunked pass on the logits, and the fused head
+    when the actor uses it) vs float64 on the same logits."""
     from megatron_rl.megatron.actor import unwrap
 
     tokens = batch.tokens.to(actor.device)
+    actor.model.eval()          # two forwards: no (LoRA) dropout between them
     with torch.no_grad():
         logits = actor._logits(unwrap(actor.model), tokens)
         logp, _ = actor._logprobs(logits, tokens, TEMPERATURE, with_entropy=True)
+        fused, _ = actor._logprobs(actor._head(unwrap(actor.model), tokens, TEMPERATURE, True), tokens,
+                                   TEMPERATURE, with_entropy=True)
         ref = torch.log_softmax(logits.double() / TEMPERATURE, -1)[:, :-1].gather(
             -1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return float((logp.double() - ref).abs().max())
+    return max(float((lp.double() - ref).abs().max()) for lp in (logp, fused))
 
 
 def world_group() -> dict[str, Any]:

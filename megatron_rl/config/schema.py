@@ -467,6 +467,13 @@ class TrainerConfig:
                         "padded only to their longest row)")
     """Pack sequences back to back (THD with cu_seqlens): not implemented yet, `true` is refused
     (use `max_tokens_per_microbatch`)."""
+    fused_lm_head: bool = True
+    """Log-probs and entropy straight from the last hidden states (`fused_head.py`): the output
+    layer's GEMM runs chunk by chunk inside the chunked log-prob pass, forward and backward, so no
+    [tokens, vocab/TP] logits or logits gradient exists (every forward: π_old, π_ref, training,
+    verification). `false`: the output layer's logits, then the chunked pass, or Transformer-Engine's
+    cross-entropy kernel for the forwards without entropy on a GPU (faster there, at the price of the
+    logits and TE's full fp32 gradient buffer). Both compute the same values (fp32 reduction order)."""
     lr: float = spec(1e-6, gt=0.0)
     """Peak learning rate."""
     min_lr: float = spec(0.0, ge=0.0)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import AlgorithmConfig, LoraConfig, ParallelismConfig, TrainerConfig
-from ..logprobs import vocab_parallel_logprobs
+from ..logprobs import LogProbOutput, vocab_parallel_logprobs
 from ..objectives import (
     LossInputs,
     all_reduce_metrics,
@@ -32,6 +32,7 @@ from ..types import TrainBatch
 from . import cpu_compat
 from .devices import DEFAULT_COLLECTIVE_TIMEOUT_MIN, compute_device, init_distributed
 from .gpt import ModelRecipe, build_gpt_model
+from .head import HeadRequest, fused_output
 from .microbatch import MicroBatchPlan, needed_lengths, plan_microbatches, take
 from .route_delivery import deliver
 from .routing_replay import RoutingReplay
@@ -114,9 +115,10 @@ class Actor:
 
     def __init__(self, recipe: ModelRecipe, micro_batch_size: int, training: Training | None,
                  max_tokens_per_microbatch: int | None = None, replay_routes: bool | None = None,
-                 lora: LoraConfig | None = None) -> None:
+                 lora: LoraConfig | None = None, fused_lm_head: bool = True) -> None:
         """`training` None builds a frozen reference (no DDP, no optimizer). With `lora` (rank > 0)
-        the base is frozen and only adapters train (`lora.py`).
+        the base is frozen and only adapters train (`lora.py`). `fused_lm_head`: log-probs from the
+        last hidden states (`head.py`), not from the output layer's logits (`trainer.fused_lm_head`).
 
         `replay_routes`: a MoE model's routers use the rollout's experts for batches that carry
         `routes` (None: the policy does, a reference does not — see `routing_replay_default`)."""
@@ -130,6 +132,9 @@ class Actor:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         """Token budget of a micro-batch (see `microbatch.py`); None = `micro_batch_size` padded rows."""
         self.training = training
+        # MuP scales the logits after the output layer and MTP adds its own heads: not what the
+        # fused head computes, so those models keep the logits.
+        self.fused_lm_head = fused_lm_head and not self.config.use_mup and not self.config.mtp_num_layers
         self.device = compute_device()
         # Every parameter on the device, also those megatron builds without one (the shared-expert
         # gate, the GDN output norm): the frozen reference gets no DDP to move them.
@@ -253,6 +258,16 @@ class Actor:
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         return model(tokens, positions, None)
 
+    def _head(self, model: torch.nn.Module, tokens: torch.Tensor, temperature: float,
+              with_entropy: bool) -> torch.Tensor | LogProbOutput:
+        """The last stage's output for `_logprobs`: the logits, or with the fused head the scored
+        targets themselves (earlier stages return their hidden states either way)."""
+        if not self.fused_lm_head:
+            return self._logits(model, tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        request = HeadRequest(_targets(tokens), temperature, with_entropy)
+        return model(tokens, positions, None, output_processor=fused_output, output_processor_context=request)
+
     def _tokens_of(self, mb: TrainBatch) -> torch.Tensor:
         if mb.sft_tokens is None:
             return mb.tokens
@@ -260,14 +275,15 @@ class Actor:
         pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
         return torch.cat([pad(mb.tokens), pad(mb.sft_tokens)], dim=0)
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+    def _logprobs(self, logits: torch.Tensor | LogProbOutput, tokens: torch.Tensor, temperature: float,
                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[rows, L−1] log-probs of tokens[:, 1:]. All L positions are scored against the targets
         shifted left (the last one is a dummy) and the last column dropped: `logits[:, :-1]` is not
-        contiguous for more than one row, and flattening it would copy all the logits."""
-        targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
-        out = vocab_parallel_logprobs(logits, targets, ps.get_tensor_model_parallel_group(),
-                                      temperature=temperature, with_entropy=with_entropy)
+        contiguous for more than one row, and flattening it would copy all the logits. `logits` may
+        be the fused head's output already (`_head`), scored the same way."""
+        out = logits if isinstance(logits, LogProbOutput) else vocab_parallel_logprobs(
+            logits, _targets(tokens), ps.get_tensor_model_parallel_group(), temperature=temperature,
+            with_entropy=with_entropy)
         return out.logprobs[:, :-1], None if out.entropy is None else out.entropy[:, :-1]
 
     def _feed_routes(self, mb: TrainBatch, tokens: torch.Tensor, replay: bool, recompute: bool) -> None:
@@ -282,7 +298,8 @@ class Actor:
         routes, valid = mb.routes.dense(tokens.shape[0], tokens.shape[1])
         self.routing.feed(routes, valid, replay, recompute)
 
-    def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool, replay: bool = False) -> list[Any]:
+    def _run(self, mbs: list[TrainBatch], loss_for: Any, forward_only: bool, replay: bool = False, *,
+             temperature: float, with_entropy: bool) -> list[Any]:
         seq_len = max(self._tokens_of(mb).shape[1] for mb in mbs)
         budget = self.max_tokens_per_microbatch is not None
         # Budget micro-batches differ in rows and width. Under PP, megatron-core sends each
@@ -296,7 +313,7 @@ class Actor:
             if not budget:
                 tokens = torch.nn.functional.pad(tokens, (0, seq_len - tokens.shape[1]))
             self._feed_routes(mb, tokens, replay, recompute)
-            return self._logits(model, tokens), partial(loss_for, mb, tokens)
+            return self._head(model, tokens, temperature, with_entropy), partial(loss_for, mb, tokens)
 
         # Activation recompute (full, or a selective module list with the MoE layer) re-runs the
         # routers in backward, after later micro-batches were fed: keep each forward's routes.
@@ -333,13 +350,14 @@ class Actor:
                           routes=None if batch.routes is None else batch.routes.padded(n + extra))
         mbs, plans = self._split(rows)
 
-        def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
+        def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor | LogProbOutput) -> tuple[Any, ...]:
             logp, _ = self._logprobs(logits, tokens, temperature, with_entropy=False)
             return logp.sum() * 0.0, torch.tensor(1), {"logprobs": logp.detach()[:, : mb.tokens.shape[1] - 1]}
 
         with torch.no_grad():
             reports = self._run(mbs, loss_for, forward_only=True,
-                                replay=self.replay_routes if replay is None else replay)
+                                replay=self.replay_routes if replay is None else replay,
+                                temperature=temperature, with_entropy=False)
         if self.routing is not None and batch.routes is not None:
             self.routing_metrics = self.routing.take_metrics(self.config.num_layers, per_layer=True)
         return self._collect([r["logprobs"] for r in reports], plans, rows.mask, n)
@@ -401,7 +419,7 @@ class Actor:
             raise ValueError("train_step needs the batch's old log-probs unless steps_per_generation is 1")
         kept: list[torch.Tensor] | None = [] if batch.old_logprobs is None else None
 
-        def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[Any, ...]:
+        def loss_for(mb: TrainBatch, tokens: torch.Tensor, logits: torch.Tensor | LogProbOutput) -> tuple[Any, ...]:
             # Entropy comes from the same chunked pass as the log-probs (no extra pass; detached
             # unless the loss has an entropy term), and is logged either way.
             logp, entropy = self._logprobs(logits, tokens, temperature, with_entropy=True)
@@ -425,7 +443,8 @@ class Actor:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self._run(mbs, loss_for, forward_only=False, replay=self.replay_routes)
+        reports = self._run(mbs, loss_for, forward_only=False, replay=self.replay_routes,
+                            temperature=temperature, with_entropy=True)
         self.trained_logprobs = None if kept is None else self._collect(kept, plans, batch.mask, batch.num_rows)
         metrics = self._reduce_reports(reports)
         if self.routing is not None and batch.routes is not None:
@@ -466,6 +485,11 @@ class Actor:
             combined = all_reduce_metrics(combine_metrics(reports), ps.get_data_parallel_group())
             metrics = finalize_metrics(combined)
         return _broadcast_from_last_stage(metrics)
+
+
+def _targets(tokens: torch.Tensor) -> torch.Tensor:
+    """Each position's next token; the last position's target is a dummy 0 (dropped by `_logprobs`)."""
+    return torch.nn.functional.pad(tokens[:, 1:], (0, 1))
 
 
 def routing_replay_default(trainable: bool) -> bool:

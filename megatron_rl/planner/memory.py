@@ -17,12 +17,15 @@ embedding; the last holds the output layer and the logits — both are computed,
   "6 + 12/d bytes per parameter" of Megatron-core's distributed-optimizer documentation.
   `optimizer_cpu_offload` moves states and master weights to host memory (reported, not counted);
 * activations: see `layer_activation_bytes`; per micro-batch, times the micro-batches in flight;
-* logits (last stage): bf16 logits plus fp32 log-softmax over the vocab-parallel shard. Not counted:
-  on GPU the log-probs go through TE 2.18's `parallel_cross_entropy`, which allocates a full fp32
-  gradient buffer in forward even under no_grad (`transformer_engine/pytorch/triton/cross_entropy.py`),
-  so a π_old / π_ref / verification micro-batch briefly holds 2 + 4 (tempered fp32) + 4 bytes per
-  logit: 3.5 GB at 4,608 tokens × 151,936 / TP 2. Those passes keep no activations, so it stays
-  under the training peak this term is part of (audit 3 #14);
+* logits (last stage): with `trainer.fused_lm_head` (the default) the fused head's working set,
+  one chunk of rows at a time (`fused_head.default_chunk_rows`: a bf16 logits/gradient chunk and two
+  fp32 temporaries, 10 bytes per entry of ``[chunk, vocab/TP]``), whatever the micro-batch's length;
+  without it, bf16 logits plus fp32 log-softmax over the vocab-parallel shard (6 bytes per entry of
+  ``[tokens, vocab/TP]``), and on GPU Transformer-Engine 2.18's ``parallel_cross_entropy`` in the
+  forwards without entropy (π_old, π_ref, verification) allocates a full fp32 gradient buffer, also
+  under ``no_grad`` (`transformer_engine/pytorch/triton/cross_entropy.py`): 4 more bytes per entry,
+  the "TE cross-entropy fp32 buffer" term (3.5 GB with the logits at 4,608 tokens × 151,936 / TP 2).
+  Those passes keep no activations, so summing it into the training peak is conservative (audit 3 #14);
 * reference model: bf16 weights sharded like the actor, whenever the run has one
   (`algorithm.uses_reference`: a KL term, the trainer's rule);
 * vLLM, when colocated: vLLM claims `gpu_memory_utilization` × the card for weights + KV cache;
@@ -75,6 +78,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config.schema import LoraConfig, ParallelismConfig, RecipeConfig
+from ..fused_head import default_chunk_rows
 from .lora import StageParams, merged_copy_params, stage_params
 from .params import Block, Dims, Layer, ModelParams, PlannerError, Shard
 
@@ -304,6 +308,24 @@ def optimizer_bytes(dense: float, expert: float, cfg: RecipeConfig) -> float:
     return per_param * (dense / dense_shards(p) + expert / expert_dp(p))
 
 
+# The fused head holds a bf16 logits chunk (reused for its gradient in backward) and two fp32
+# temporaries of the same shape (`logprobs._forward_chunk` / `_backward_chunk`).
+FUSED_BYTES_PER_LOGIT = 2 + 4 + 4
+LOGITS_BYTES_PER_LOGIT = 6          # bf16 logits + fp32 log-softmax
+TE_BUFFER_BYTES_PER_LOGIT = 4       # TE 2.18's fp32 gradient buffer (audit 3, finding 14)
+
+
+def logits_bytes(cfg: RecipeConfig, vocab: int) -> tuple[float, float]:
+    """(logits working set, TE's extra buffer) of the last stage, per GPU."""
+    p = cfg.parallelism
+    tokens = microbatch_tokens(cfg) / p.context_parallel_size
+    shard = vocab / p.tensor_model_parallel_size
+    if cfg.trainer.fused_lm_head:
+        rows = min(tokens, default_chunk_rows(int(shard)))
+        return FUSED_BYTES_PER_LOGIT * rows * shard, 0.0
+    return LOGITS_BYTES_PER_LOGIT * tokens * shard, TE_BUFFER_BYTES_PER_LOGIT * tokens * shard
+
+
 ExtraTerms = Callable[[int, float], Sequence[Term]]
 """(stage, in-flight micro-batches) → GPU terms outside the model state (`host.gpu_extra_terms`)."""
 
@@ -322,9 +344,7 @@ def stage_memory(params: ModelParams, cfg: RecipeConfig, stage: int, colocated_v
     on_host = optimizer * offloaded_fraction(p)
     in_flight = in_flight_microbatches(cfg, stage)
     acts = stage_activation_bytes(layers, params, cfg, in_flight)
-    logits = 0.0
-    if stage == pp - 1:
-        logits = 6 * microbatch_tokens(cfg) / p.context_parallel_size * params.dims.vocab / tp
+    logits, te_buffer = logits_bytes(cfg, params.dims.vocab) if stage == pp - 1 else (0.0, 0.0)
     terms = [
         Term("weights", "actor weights", sp.weight_bytes / GB, _weights_note(n, sp, lo)),
         Term("gradients", "gradients (fp32 main grads)", trained * GRAD_BYTES / GB),
@@ -333,7 +353,10 @@ def stage_memory(params: ModelParams, cfg: RecipeConfig, stage: int, colocated_v
              f"offloaded: {on_host / GB:.1f} GB in host memory" if p.optimizer_cpu_offload else ""),
         Term("activations", "activations", acts / GB,
              f"{len(layers)} layers × {in_flight:g} micro-batch(es) in flight"),
-        Term("logits", "logits (last stage)", logits / GB),
+        Term("logits", "logits (last stage)", logits / GB,
+             "fused head: one chunk at a time" if cfg.trainer.fused_lm_head and logits else ""),
+        Term("te_buffer", "TE cross-entropy fp32 buffer", te_buffer / GB,
+             "trainer.fused_lm_head false: TE's kernel in the forwards without entropy" if te_buffer else ""),
         # With LoRA the reference is the base with the adapters off: no second copy.
         Term("reference", "reference model (bf16)",
              n * nbytes / GB if cfg.algorithm.uses_reference and not lo.rank else 0.0),

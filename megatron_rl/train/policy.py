@@ -78,14 +78,14 @@ class Policy:
         init_parallel(cfg.parallelism, t.seed, t.collective_timeout_min)
         recipe = build_model(self.hf, cfg.parallelism, self.dtype)
         self.actor = Actor(recipe, t.micro_batch_size, Training(t, cfg.parallelism, updates),
-                           t.max_tokens_per_microbatch, lora=cfg.lora)
+                           t.max_tokens_per_microbatch, lora=cfg.lora, fused_lm_head=t.fused_lm_head)
         load_init(self.actor, init.path, self.adapter)
         self.reference: Reference | None = None if not cfg.algorithm.uses_reference else \
             BaseReference(self.actor) if uses_base_reference(cfg) else self._reference(recipe)
 
     def _reference(self, recipe: Any) -> Actor:
         t, m = self.cfg.trainer, self.cfg.model
-        ref = Actor(recipe, t.micro_batch_size, None, t.max_tokens_per_microbatch)
+        ref = Actor(recipe, t.micro_batch_size, None, t.max_tokens_per_microbatch, fused_lm_head=t.fused_lm_head)
         load_init(ref, require(m.reference_path, "model.reference_path") if m.reference == "path" else self.init.path,
                   self.adapter)
         return ref

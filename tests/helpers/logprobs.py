@@ -27,3 +27,16 @@ def make(n: int, v: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Ten
     w1 = torch.randn(n, generator=gen, dtype=torch.float64)
     w2 = torch.randn(n, generator=gen, dtype=torch.float64)
     return logits, target, w1, w2
+
+
+def make_head(n: int, hidden: int, v: int, dtype: torch.dtype,
+              seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Hidden states [n, hidden] and an output weight [v, hidden] whose logits have std ~3, targets,
+    and the two per-token loss weights."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen, dtype=torch.float64)
+    w = 3 * torch.randn(v, hidden, generator=gen, dtype=torch.float64) / hidden ** 0.5
+    target = torch.randint(0, v, (n,), generator=gen)
+    w1 = torch.randn(n, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(n, generator=gen, dtype=torch.float64)
+    return h.to(dtype), w.to(dtype), target, w1, w2

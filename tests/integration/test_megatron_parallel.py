@@ -36,7 +36,7 @@ def test_layouts_give_the_same_grpo_and_gspo_steps(tiny_moe: Path, tmp_path: Pat
         ref = result[f"{objective}/tp1"]
         assert ref["num_tensors"] == 33 and len(ref["losses"]) == 2
         assert ref["losses"][0] != ref["losses"][1]          # the first step changed the policy
-        for layout in ("tp2_sp", "ep2", "pp2", "tp2_ep2_etp1"):
+        for layout in ("tp2_sp", "ep2", "pp2", "tp2_ep2_etp1", "tp2_sp_unfused"):   # the last: the logits path
             got = result[f"{objective}/{layout}"]
             assert got["missing"] == []
             assert got["chunked_same"] and got["parts"][1] > got["parts"][0], (objective, layout, got["parts"])

@@ -33,6 +33,9 @@ LAYOUTS = {
     "pp2": ParallelismConfig(pipeline_model_parallel_size=2),
     "tp2_ep2_etp1": ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=True,
                                       expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+    # The output layer's logits and the chunked pass (trainer.fused_lm_head: false); every other
+    # layout runs the fused head.
+    "tp2_sp_unfused": ParallelismConfig(tensor_model_parallel_size=2, sequence_parallel=True),
 }
 # Two updates on one batch against the π_old computed before the first: steps_per_generation 2
 # (at 1 the ratio is 1 by construction and the second step would not test the ratio).
@@ -55,11 +58,13 @@ def make_batch(vocab: int, rows: int = 8, length: int = 24, seed: int = 7) -> Tr
     return TrainBatch(tokens=tokens, mask=mask, advantages=adv)
 
 
-def run_layout(hf_dir: str, layout: ParallelismConfig, objective: str) -> tuple[list[float], dict]:
+def run_layout(hf_dir: str, layout: ParallelismConfig, objective: str,
+               fused: bool = True) -> tuple[list[float], dict]:
     init_parallel(layout, seed=1234)
     hf = read_hf_config(hf_dir)
     recipe = build_model(hf, layout, torch.float32)
-    actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3, clip_grad=1.0), layout, total_updates=10))
+    actor = Actor(recipe, 2, Training(TrainerConfig(lr=1e-3, clip_grad=1.0), layout, total_updates=10),
+                  fused_lm_head=fused)
     load_hf_into_model(actor.model, hf_dir, weight_map(hf))
     actor.optimizer.reload_model_params()   # the optimizer's fp32 master copy follows the loaded weights
     batch = make_batch(hf["vocab_size"])
@@ -95,7 +100,7 @@ def main() -> None:
     for objective in OBJECTIVES:
         ref_weights = None
         for name, layout in LAYOUTS.items():
-            losses, weights = run_layout(hf_dir, layout, objective)
+            losses, weights = run_layout(hf_dir, layout, objective, fused=not name.endswith("_unfused"))
             entry = {"losses": losses}
             if dist.get_rank() == 0:
                 entry["parts"], entry["chunked_same"] = weights.pop("__parts__"), weights.pop("__chunked_same__")

@@ -21,7 +21,8 @@ PKG = REPO / "megatron_rl"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("megatron_rl", "megatron_rl.types", "megatron_rl.registry", "megatron_rl.console", "megatron_rl.ports",
               "megatron_rl.model_config", "megatron_rl.config")),
-    ("pure", ("megatron_rl.objectives", "megatron_rl.advantages", "megatron_rl.logprobs", "megatron_rl.rewards",
+    ("pure", ("megatron_rl.objectives", "megatron_rl.advantages", "megatron_rl.logprobs", "megatron_rl.fused_head",
+              "megatron_rl.rewards",
               "megatron_rl.data", "megatron_rl.nf4", "megatron_rl.schedule", "megatron_rl.topology")),
     ("tasks", ("megatron_rl.tasks",)),
     # The cross-field rules read tasks and the topology, so they sit above them, not with the schema.

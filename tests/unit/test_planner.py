@@ -20,6 +20,7 @@ from megatron_rl.config.rules import lint
 from megatron_rl.config.schema import (
     RecipeConfig,
 )
+from megatron_rl.fused_head import default_chunk_rows
 from megatron_rl.planner import PlannerError, count_params
 from megatron_rl.planner.memory import GB, Hardware, describe, microbatch_tokens, stage_layer_ranges, stage_memory
 from megatron_rl.planner.plan import SAFE_MARGIN_PCT, estimate, layout_problems, plan
@@ -242,7 +243,7 @@ def test_memory_terms_by_hand_last_stage_and_offload() -> None:
                   parallelism=dict(HAND.parallelism.__dict__, optimizer_cpu_offload=True),
                   rollout=dict(max_prompt_length=64, max_response_length=64,
                                placement="disaggregated", nodes=1),
-                  trainer=dict(global_batch_size=32, micro_batch_size=2))
+                  trainer=dict(global_batch_size=32, micro_batch_size=2, fused_lm_head=False))
     terms = _terms(cfg, 1)
     # Last stage: bf16 logits + fp32 log-softmax over the vocab shard, one micro-batch in flight.
     assert terms["logits"].gb == pytest.approx(6 * (2 * 128) * V / tp / GB)
@@ -250,6 +251,35 @@ def test_memory_terms_by_hand_last_stage_and_offload() -> None:
     assert terms["reference"].gb == 0 and terms["vllm"].gb == 0
     # The output layer and final norm sit on the last stage instead of the embedding.
     assert terms["weights"].gb - _terms(cfg, 0)["weights"].gb == pytest.approx(2 * h / GB)
+
+
+def test_logits_term_follows_the_fused_heads_chunk_and_shows_te_without_it() -> None:
+    """Qwen3's vocabulary at TP 2 and 4,608-token micro-batches (the article's): the fused head holds
+    one chunk of rows (10 bytes per logit: a bf16 chunk, two fp32 temporaries) whatever the length;
+    the logits path holds 6 bytes per logit of the whole micro-batch, and TE's kernel 4 more."""
+    vocab, tp = 151_936, 2
+    fields = dict(HAND_MOE, vocab_size=vocab)
+
+    def terms(tokens: int, fused: bool) -> dict[str, Any]:
+        cfg = hand_recipe(fields, model={"params_dtype": "bf16", "reference": "none"},
+                          parallelism=dict(HAND.parallelism.__dict__, pipeline_model_parallel_size=1),
+                          rollout=dict(max_prompt_length=64, max_response_length=tokens - 64,
+                                       placement="disaggregated", nodes=1),
+                          trainer=dict(global_batch_size=32, micro_batch_size=1, fused_lm_head=fused))
+        return _terms(cfg, 0)
+
+    rows = default_chunk_rows(vocab // tp)
+    assert rows == 441                                   # 128 MiB of fp32 [rows, 75,968]
+    for tokens in (4608, 32768):
+        fused, unfused = terms(tokens, True), terms(tokens, False)
+        assert fused["logits"].gb == pytest.approx(10 * rows * vocab / tp / GB)
+        assert fused["te_buffer"].gb == 0 and "chunk" in fused["logits"].note
+        assert unfused["logits"].gb == pytest.approx(6 * tokens * vocab / tp / GB)
+        assert unfused["te_buffer"].gb == pytest.approx(4 * tokens * vocab / tp / GB)
+        assert "TE" in unfused["te_buffer"].note
+    # Audit 3, finding 14: 0.7 GB bf16 logits + 1.4 GB fp32 tempered + 1.4 GB fp32 gradient.
+    assert terms(4608, False)["logits"].gb + terms(4608, False)["te_buffer"].gb == pytest.approx(3.5, abs=0.01)
+    assert terms(32768, True)["logits"].gb == pytest.approx(0.335, abs=0.001)
 
 
 def test_recompute_modes_order_activations() -> None:
