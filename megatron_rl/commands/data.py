@@ -288,7 +288,7 @@ def _generate_on_a_server(args: argparse.Namespace, records: list[PromptRecord],
         tokenizer = AutoTokenizer.from_pretrained(server.model_dir)
         generate = client_generate(RolloutClient.for_server(server, settings), tokenizer, settings, greedy, kwargs)
         return generate_expert_texts(records, args.out, prompts, generate, model=str(server.model_dir),
-                                     batch_size=args.batch_size)
+                                     batch_size=args.batch_size, progress=sys.stderr)
     finally:
         if not server.external:
             server.stop()

@@ -21,7 +21,6 @@ again).
 from __future__ import annotations
 
 import string
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,8 +158,9 @@ def _expert_rows(batch: Sequence[PromptRecord], prompts: ExpertPrompts, generate
 
 def generate_expert_texts(records: Sequence[PromptRecord], out: str | Path, prompts: ExpertPrompts,
                           generate: Generate, *, model: str = "", batch_size: int = 64,
-                          progress: TextIO | None = sys.stderr) -> GenerateResult:
-    """Append the expert texts of the records not yet in `out`, `batch_size` records at a time."""
+                          progress: TextIO | None = None) -> GenerateResult:
+    """Append the expert texts of the records not yet in `out`, `batch_size` records at a time, with
+    a progress bar on `progress` (the caller's current `sys.stderr`, not the one at import)."""
     ids = [r.id for r in records]
     if len(set(ids)) != len(ids):
         raise DataError("the prompt file repeats an id; each id becomes one expert text")

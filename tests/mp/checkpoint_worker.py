@@ -57,6 +57,8 @@ def main() -> None:
     after_step = logprobs(actor, batch)
     result = {}
     for name, layout in LAYOUTS.items():
+        if name.endswith("_unfused"):   # the same layout on the logits path: nothing new to load
+            continue
         other = build(hf_dir, layout)
         try:
             extra = load_checkpoint(other, ckpt)

@@ -77,7 +77,9 @@ def _recorded_masks(actor: Actor, batch: Any) -> dict[str, list[torch.Tensor]]:
         actor.model.train()
         with torch.no_grad():
             actor._run(actor._local_microbatches(batch),
-                       lambda mb, t, logits: (logits.sum() * 0.0, torch.tensor(1), {}), forward_only=True, replay=False)
+                       lambda mb, t, out: (actor._logprobs(out, t, 1.0, with_entropy=False)[0].sum() * 0.0,
+                                           torch.tensor(1), {}),
+                       forward_only=True, replay=False, temperature=1.0, with_entropy=False)
     finally:
         lora_mod._Adapter.dropped = real  # type: ignore[method-assign]
     return masks

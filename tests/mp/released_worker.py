@@ -68,8 +68,9 @@ def pipeline_logits(actor: Actor, tokens: torch.Tensor) -> torch.Tensor | None:
 
     batch = TrainBatch(tokens, torch.zeros(tokens.shape[0], tokens.shape[1] - 1), torch.zeros(tokens.shape[0]))
     actor.model.eval()
+    actor.fused_lm_head = False  # the logits themselves are compared with transformers'
     with torch.no_grad():
-        reports = actor._run([batch], loss_for, forward_only=True)
+        reports = actor._run([batch], loss_for, forward_only=True, temperature=1.0, with_entropy=False)
     return reports[0]["logits"] if ps.is_pipeline_last_stage() else None
 
 

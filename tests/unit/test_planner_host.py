@@ -111,12 +111,19 @@ def test_route_bytes_match_the_store_and_one_expanded_microbatch(experts: int) -
 def test_sample_objects_match_tracemalloc() -> None:
     params = count_params(HF)
     _groups(1, 2, 10, 10, 3, 4, 300, seed=2)      # one-time allocations (numpy's generator, caches) first
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
+    # tracemalloc counts every thread's allocations (a pytest-xdist worker's, a server watcher's):
+    # those only add, so the least of three measurements is the samples' own.
+    used = None
+    for _ in range(3):
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        groups = _groups(4, 8, 200, 100, 3, 4, 300, seed=1)
+        got = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        used = got if used is None else min(used, got)
+        del groups
     groups = _groups(4, 8, 200, 100, 3, 4, 300, seed=1)
-    used = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
     predicted = sample_object_bytes(32, 8, 200, 100, params, routes=True)
     # Lists over-allocate a little and each Sample has its own small overhead (measured: +7.5 %).
     assert abs(used / predicted - 1) < 0.15, (used, predicted)
@@ -146,9 +153,12 @@ def test_audit_15_routes_of_qwen3_next() -> None:
     assert terms["batch"] == plain["batch"] and terms["samples"] == plain["samples"]
     assert "routes" not in plain
     assert terms["routes"] == pytest.approx((b.rank0 + 7 * b.other) / GB)
-    # On the GPU: the in-flight micro-batch's ids as int64, 48 MoE layers × top-10 per token.
+    # On the GPU: each in-flight micro-batch's ids as int64, 48 MoE layers × top-10 per token (at
+    # PP 2 the peak stage's count: 2 on stage 0 under 1F1B, 1 on the last).
     gpu_terms = {t.key: t.gb for t in with_routes.stage.terms}
-    assert gpu_terms["routes"] == pytest.approx(4608 * 48 * 10 * 8 / GB)
+    in_flight = {0: 2, 1: 1}[with_routes.stage.stage]
+    assert cfg.parallelism.pipeline_model_parallel_size == 2
+    assert gpu_terms["routes"] == pytest.approx(in_flight * 4608 * 48 * 10 * 8 / GB)
 
 
 class _NoServer:
