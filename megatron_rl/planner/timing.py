@@ -58,6 +58,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..config.rules import delta_sync_where
 from ..config.schema import RecipeConfig
 from .gpus import HOST_STEP_OVERHEAD_S, IB_LATENCY_S, NVLINK_LATENCY_S, SHARED_FS_GB_S, GpuSpec
 from .host import first_sync_bytes, sync_bytes
@@ -379,11 +380,34 @@ def sync_seconds(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, g: G
     (`host.first_sync_bytes`), is in the note (once per run, not per step)."""
     nbytes, first = sync_bytes(params, cfg), first_sync_bytes(params, cfg)
     gather, send, how = _sync_parts(nbytes, params, cfg, ro, g)
+    share = delta_share(cfg)
+    if share < 1.0:       # delta: rank 0 still gathers and compares every tensor; it sends the patches
+        send *= share
+        how += (f" (delta: {DELTA_CHANGED_FRAC:.1%} of elements changed, assumed; "
+                f"{share:.1%} of the bytes per sync, a dense one every {cfg.rollout.sync_dense_every})")
     note = f"{nbytes / GB:.1f} GB: gather {gather:.1f} s, {how} {send:.1f} s"
     if first != nbytes:
         seconds = sum(_sync_parts(first, params, cfg, ro, g)[:2])
         note += f"; the first sync sends the whole base: {first / GB:.1f} GB, {seconds:.0f} s"
     return Phase("sync", "weight sync (gather to rank 0 + send + load)", gather + send, note)
+
+
+DELTA_CHANGED_FRAC = 0.045
+"""Share of a tensor's elements a step changes: the published 4.5 % for Qwen3-30B-A3B bf16 at lr 1e-6
+(1.98 % for a 1T FP8 model); no `bench/sync_bench.py --delta` measurement of a production model is
+in the repo. A patch element costs 3 × a bf16 element (value + int32 index, `sync/delta.py`)."""
+DELTA_PATCH_COST = 3.0
+
+
+def delta_share(cfg: RecipeConfig, changed: float = DELTA_CHANGED_FRAC) -> float:
+    """Mean share of a whole sync's bytes that the transport sends per step: 1 where the product
+    sends every version whole (`config.rules.delta_sync_where`, `rollout.sync_delta: off`), else
+    the patches, with one whole sync every `rollout.sync_dense_every`."""
+    r = cfg.rollout
+    if r.sync_delta == "off" or delta_sync_where(cfg) is not None:
+        return 1.0
+    patch = min(1.0, DELTA_PATCH_COST * changed)
+    return (1.0 + (r.sync_dense_every - 1) * patch) / r.sync_dense_every
 
 
 def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory,

@@ -34,8 +34,10 @@ from megatron_rl.planner.gpus import DEFAULT_GPU, GPUS, HOST_STEP_OVERHEAD_S, gp
 from megatron_rl.planner.memory import GB, Hardware, rollout_memory
 from megatron_rl.planner.plan import SAFE_MARGIN_PCT, plan
 from megatron_rl.planner.timing import (
+    DELTA_CHANGED_FRAC,
     Workload,
     decode_step_fn,
+    delta_share,
     logprob_seconds,
     replica_of,
     response_lengths,
@@ -159,6 +161,25 @@ def test_sync_seconds_of_a_sender_per_colocated_node() -> None:
     assert "a /dev/shm copy per node" in phase.note
     shared = sync_seconds(params, load_recipe(RECIPES / "qwen3_next_80b_a3b/gspo.yaml"), ro, g, hw)
     assert "shared run dir" in shared.note and shared.seconds > phase.seconds + nbytes / 10e9
+
+
+def test_delta_sync_only_where_the_product_sends_deltas() -> None:
+    """Delta syncs shrink the send only for `shm` to servers on the trainer's one node (what
+    `sync/delta.py` does); the production recipes (disaggregated, or a sender per node) stay whole."""
+    g, hw = GPUS["H100"], Hardware(8, 80.0)
+    for path in sorted(RECIPES.glob("qwen3_*/*.yaml")):
+        assert delta_share(load_recipe(path)) == 1.0, path
+    base = load_recipe(RECIPES / "qwen3_next_80b_a3b/grpo.yaml")
+    one = dataclasses.replace(base, parallelism=dataclasses.replace(base.parallelism, nodes=1))
+    r = one.rollout
+    expected = (1 + (r.sync_dense_every - 1) * 3 * DELTA_CHANGED_FRAC) / r.sync_dense_every
+    assert delta_share(one) == pytest.approx(expected) and expected < 0.2
+    off = dataclasses.replace(one, rollout=dataclasses.replace(r, sync_delta="off"))
+    assert delta_share(off) == 1.0 and delta_share(one, changed=0.5) == 1.0
+    params = count_params(json.loads((RECIPES / "models/qwen3_next_80b_a3b/config.json").read_text()))
+    ro = rollout_memory(params, one, hw)
+    whole, delta = sync_seconds(params, off, ro, g, hw), sync_seconds(params, one, ro, g, hw)
+    assert delta.seconds < whole.seconds and "4.5% of elements changed, assumed" in delta.note
 
 
 def test_decode_step_is_the_slower_of_memory_and_compute() -> None:
