@@ -90,7 +90,9 @@ NVLINK_LATENCY_S = 10e-6
 IB_LATENCY_S = 50e-6
 SHARED_FS_GB_S = 10.0
 """A parallel file system client's read or write rate on one node (Lustre/GPFS over one 400 Gb/s
-link reaches 10–20 GB/s; the lower end): the `shm` transport's route to servers on other nodes."""
+link reaches 10–20 GB/s; the lower end): the `shm` transport's route to servers on other nodes.
+Assumed, not measured: no production-cluster measurement exists yet. (/dev/shm writes are modelled
+at the PCIe rate; one writer on the 2-core dev VM measured 2.7 GB/s, not a production node.)"""
 
 
 def gpu(name: str) -> GpuSpec:
