@@ -46,6 +46,19 @@ def break_even(dtype: torch.dtype, numel: int) -> float:
     return value / (value + index_dtype(numel).itemsize)
 
 
+# vLLM's sparse patches mark unchanged elements with NaN and mask them in a patched `Tensor.copy_`
+# (vllm/model_executor/model_loader/checkpoint_weight_patch.py:58-82); a weight loader that assigns
+# a slice instead (`param.data[a:b] = …`: the short convolution of Gated DeltaNet and Mamba,
+# layers/mamba/gdn/qwen_gdn_linear_attn.py:538-545, mamba_mixer2.py:246-251) would write the NaNs
+# into the live weights on a GPU. Those tensors always go whole.
+WHOLE_ONLY = (".conv1d.",)
+
+
+def whole_only(name: str) -> bool:
+    """`name` (an HF tensor) is loaded by a vLLM loader that a sparse patch would corrupt."""
+    return any(part in name for part in WHOLE_ONLY)
+
+
 def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Flat indices (int64) where `new` and `old` (same dtype and shape, on the host) differ bitwise."""
     bits = INT_OF_SIZE[new.element_size()]
@@ -142,8 +155,8 @@ class DeltaRound:
         self.stats.elements += host.numel()
         if not where.numel():
             return
-        if not t.dtype.is_floating_point or where.numel() > break_even(t.dtype, host.numel()) * host.numel():
-            # Whole (vLLM's sparse patches mark unchanged elements with NaN: floating point only).
+        sparse_ok = t.dtype.is_floating_point and not whole_only(name)     # NaN marks, `copy_` loaders
+        if not sparse_ok or where.numel() > break_even(t.dtype, host.numel()) * host.numel():
             values_at = area.write(host.view(torch.uint8))
             self.patches.append(PatchEntry(name, dtype, shape, None, host.numel(), (0, 0), values_at))
             self.staged.append((old, None, area.view(values_at, host.numel(), t.dtype)))

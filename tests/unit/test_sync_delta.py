@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engines.digest import tensor_digest
-from megatron_rl.sync.delta import DeltaPolicy, break_even, changed
+from megatron_rl.sync.delta import DeltaPolicy, break_even, changed, whole_only
 from megatron_rl.sync.shm import SharedSegmentTransport
 from tests.unit.test_sync_shm import EngineRecorder
 
@@ -158,3 +158,26 @@ def test_validate_refuses_on_where_every_version_goes_whole_and_accepts_it_on_on
         (msg,) = errors(recipe, "rollout.sync_delta=on")["sync-delta"]
         assert msg.startswith("rollout.sync_delta: 'on' is not supported here"), (recipe, msg)
         assert "sync-delta" not in errors(recipe)                   # auto: whole there, no error
+
+
+def test_a_short_convolution_always_goes_whole() -> None:
+    """GPU re-audit 4 #1: vLLM loads Gated DeltaNet's conv1d by slice assignment, which would copy a
+    sparse patch's NaN marks into the weights; one changed element of it sends the tensor whole."""
+    conv = "model.layers.0.linear_attn.conv1d.weight"
+    assert whole_only(conv) and not whole_only("model.layers.0.linear_attn.in_proj_qkvz.weight")
+    server = EngineRecorder("a")
+    t = SharedSegmentTransport([server], None, segment_bytes=8 << 10, delta="auto", dense_every=10)
+    try:
+        v1 = _model(0) | {conv: torch.randn(64, 1, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
+        _sync(t, 1, v1)
+        v2 = dict(v1)
+        v2[conv] = v1[conv].clone()
+        v2[conv][0, 0, 0] += 1
+        v2["model.layers.1.w"] = _step({"x": v1["model.layers.1.w"]}, 0.03, 1)["x"]
+        _sync(t, 2, v2)
+        rows = {r[0]: r for r in server.manifests[-1]["patches"]}
+        assert rows.keys() == {conv, "model.layers.1.w"}
+        assert rows[conv][3] is None and rows["model.layers.1.w"][3] is not None   # whole / sparse
+        assert _digests(server.loaded) == _digests(v2)
+    finally:
+        t.close()
