@@ -416,7 +416,9 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
     counts = Counter(r["step"] for r in rows)
     injections = _jsonl(run / "injections.jsonl")
     logs = [p.read_text(errors="replace") for p in sorted(args.out.glob(f"{run_name}.*.log"))]
-    finished = second is not None and second.returncode == 0
+    # The run finished: the resumed trainer exited 0, or, in a run too short for the trainer kill
+    # (steps <= the kill step), its only trainer did.
+    finished = run_finished(rc_first, second.returncode if second is not None else None, killed)
     survived = sum(1 for i in injections if _survived(i, rows, finished, killed))
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     out = {
@@ -495,6 +497,11 @@ def port_binds(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def run_finished(rc_first: int | None, rc_resumed: int | None, killed: bool) -> bool:
+    """Whether the run got to its end: through the resumed trainer when the first was killed."""
+    return rc_resumed == 0 if killed else rc_first == 0
 
 
 def _survived(injection: dict[str, Any], rows: list[dict[str, Any]], finished: bool, killed: bool) -> bool:

@@ -87,3 +87,13 @@ def test_recovery_seconds_are_per_fault_and_the_worst_is_named() -> None:
     assert out["recovery_s_worst"] == {"step": 2, "phase": "generate", "kind": "stop", "s": 71.0}
     assert out["recovery_s_worst_by_kind"] == {"api": 12.5, "stop": 71.0}
     assert [x["step"] for x in out["recovery_over_60s"]] == [2] and [x["step"] for x in out["never_recovered"]] == [3]
+
+
+def test_a_run_too_short_for_the_trainer_kill_finishes_with_its_first_trainer() -> None:
+    # --steps below the trainer-kill step: no resume, the first trainer's exit code is the run's
+    # (it was counted as unfinished, so every fault of such a run read "not survived").
+    assert faults.run_finished(0, None, killed=False)
+    assert not faults.run_finished(1, None, killed=False)
+    assert faults.run_finished(-9, 0, killed=True)
+    assert not faults.run_finished(-9, 1, killed=True)
+    assert not faults.run_finished(0, None, killed=True)
