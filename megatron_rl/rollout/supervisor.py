@@ -12,6 +12,7 @@ server's own), and the interrupted call is then redone from its start.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
@@ -24,6 +25,10 @@ from .server import RolloutServer, ServerError
 T = TypeVar("T")
 
 CRASH_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError, ServerError, RolloutError)
+WATCH_GRACE_S = 3.0
+"""How long an answered error waits for the server's watch (`rollout/watch.py`, 1 s polls) before it
+counts as not a crash: vLLM answers HTTP 500 "Executor failed" as soon as one worker dies, before the
+watch has seen the death and killed the group."""
 """What a dead server looks like to a caller (refused/reset connections, HTTP 5xx while it dies)."""
 
 
@@ -80,7 +85,7 @@ class ServerSupervisor:
             if self.closed:
                 raise ServerError(f"{phase} failed while the run was stopping its servers "
                                   f"({error.__class__.__name__})") from error
-            if self.server.alive() and self.server.healthy():
+            if self._stays_up(WATCH_GRACE_S if isinstance(error, ServerError) else 0.0):
                 return False
             if self.server.external:
                 raise ServerError(f"the external rollout server at {self.server.base_url} went down during "
@@ -101,6 +106,15 @@ class ServerSupervisor:
                           flush=True)
             raise ServerError(f"rollout server could not be restarted after {self.max_restarts} attempts "
                               f"(last: {last}); see {self.server.rollout_dir / 'server.log'}") from last
+
+    def _stays_up(self, grace_s: float) -> bool:
+        """The server is alive and healthy now and throughout the next `grace_s` seconds."""
+        deadline = time.monotonic() + grace_s
+        while self.server.alive() and self.server.healthy():
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.25)
+        return False
 
     def _check(self, loaded: dict[str, Any] | None) -> None:
         """The restarted server holds the weights the trainer last sent (and, when known, computes
