@@ -27,7 +27,9 @@ def optimizer_step(rollout_step: int, steps_per_generation: int, minibatch: int)
     ``rollout_step`` (1-based): the unit of μ's schedule. ms-swift's CHORD counts
     ``trainer.state.global_step``, i.e. optimizer steps (swift/trainers/rlhf_trainer/utils.py,
     release/3.11), and so does our LR schedule; counting rollout steps instead would make
-    "decay over 500 steps" last 500 × steps_per_generation updates."""
+    "decay over 500 steps" last 500 × steps_per_generation updates. That is ms-swift's
+    *transformers* trainer: its 3.11 Megatron path (001's) has no CHORD at all, and 001 plugged
+    CHORD in itself without stating the unit, so optimizer steps are our reading, not 001's."""
     return (rollout_step - 1) * steps_per_generation + minibatch
 
 

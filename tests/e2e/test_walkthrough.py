@@ -22,12 +22,13 @@ from tests.helpers.slurm import CPU_JOB, _free_port_pair, job_info
 
 README = REPO / "recipes" / "qwen3_next_80b_a3b" / "README.md"
 FIXTURES = REPO / "tests" / "fixtures"
+SPECIALIST_FIXTURE = FIXTURES / "specialist"
 
 
-def walkthrough_commands(text: str) -> list[str]:
-    """The commands of the block after `<!-- walkthrough -->` (comments and blank lines dropped)."""
-    block = re.search(r"<!-- walkthrough -->\n```bash\n(.*?)```\n<!-- /walkthrough -->", text, re.DOTALL)
-    assert block, "README.md lost its <!-- walkthrough --> block"
+def walkthrough_commands(text: str, marker: str = "walkthrough") -> list[str]:
+    """The commands of the block after `<!-- {marker} -->` (comments and blank lines dropped)."""
+    block = re.search(rf"<!-- {marker} -->\n```bash\n(.*?)```\n<!-- /{marker} -->", text, re.DOTALL)
+    assert block, f"README.md lost its <!-- {marker} --> block"
     return [line for line in block.group(1).splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
@@ -108,3 +109,57 @@ def test_the_walkthrough_runs_as_written(slurm: dict[str, str], tmp_path: Path) 
     report = Path(env["RUNS"]) / "eval" / "report"
     assert (report / "table.md").is_file() and "grpo" in (report / "table.md").read_text()
     assert os.path.isfile(Path(env["DATA"]) / "chord_sft.jsonl")
+
+
+def _megatron_rl_on_path(tmp: Path) -> str:
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "megatron-rl").write_text(f'#!/bin/bash\nexec "{sys.executable}" -m megatron_rl.cli "$@"\n')
+    (bin_dir / "megatron-rl").chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_the_walkthrough_ends_with_the_article_s_two_four_system_tables(tmp_path: Path) -> None:
+    """The README's `walkthrough-tables` block (and the specialist section's `data prepare`), run as
+    written on the answers the three runs and the base would have left in $RUNS/eval: the IgakuQA
+    fixture's recorded answers (alpha, beta, gamma) and one all-correct system, and the specialist
+    fixture's four systems. The training and `eval generate` steps are the other test's."""
+    text = README.read_text(encoding="utf-8")
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    (runs / "eval").mkdir(parents=True)
+    env = dict(os.environ, PATH=_megatron_rl_on_path(tmp_path), PYTHONPATH=str(REPO), RUNS=str(runs),
+               DATA=str(data), IGAKUQA=str(FIXTURES / "igakuqa"), SPECIALIST=str(SPECIALIST_FIXTURE / "exam.jsonl"))
+    recorded = FIXTURES / "igakuqa" / "baseline_results" / "2022"
+    for name, source in (("base", "alpha"), ("article001-grpo", "beta"), ("article001-gspo", "gamma")):
+        shutil.copy(recorded / f"116-A_{source}.jsonl", runs / "eval" / f"{name}.jsonl")
+    gold = [json.loads(line) for line in (FIXTURES / "igakuqa/data/2022/116-A.jsonl").read_text().splitlines()]
+    (runs / "eval" / "article001-chord.jsonl").write_text("".join(
+        json.dumps({"problem_id": q["problem_id"], "prediction": ",".join(q["answer"])}) + "\n" for q in gold))
+    for system in ("base", "grpo", "gspo", "chord"):
+        target = "specialist_base" if system == "base" else f"specialist_article001-{system}"
+        shutil.copy(SPECIALIST_FIXTURE / "pred" / f"{system}.jsonl", runs / "eval" / f"{target}.jsonl")
+    specialist_section = text[text.index("### The specialist exam"):]
+    prepare = [line for line in specialist_section.splitlines() if "data prepare specialist" in line]
+    commands = walkthrough_commands(text, "walkthrough-tables")
+    assert len(prepare) == 1 and [c.split()[1:3] for c in commands] == [["eval", "table"], ["eval", "specialist"]]
+    for command in (*prepare, *commands):
+        proc = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    igakuqa = json.loads((runs / "eval" / "igakuqa" / "table.json").read_text(encoding="utf-8"))
+    assert igakuqa["systems"] == ["base", "grpo", "gspo", "chord"] and igakuqa["baseline"] == "base"
+    cells = {row["system"]: row["cells"]["All"] for row in igakuqa["rows"]}
+    # Counted by hand from the fixture: alpha 4/6, beta 5/6, gamma 4/6 correct; chord answers every
+    # question right, so it is right on base's 2 misses (c 2) and wrong on none of base's hits (b 0).
+    assert {s: (c["n"], c["correct"]) for s, c in cells.items()} == {
+        "base": (6, 4), "grpo": (6, 5), "gspo": (6, 4), "chord": (6, 6)}
+    assert (cells["chord"]["b"], cells["chord"]["c"], cells["chord"]["p_value"]) == (0, 2, 0.5)
+    assert "| chord | 100.0% (+33.3) |" in (runs / "eval" / "igakuqa" / "table.md").read_text(encoding="utf-8")
+
+    specialist = json.loads((runs / "eval" / "specialist" / "table.json").read_text(encoding="utf-8"))
+    rows = {row["system"]: row["cells"]["All"] for row in specialist["rows"]}
+    assert {s: c["correct"] for s, c in rows.items()} == {"base": 22, "grpo": 31, "gspo": 32, "chord": 23}
+    assert specialist["best_counts"] == {"grpo": 2, "gspo": 1, "chord": 1}   # the fixture README's counts
+    markdown = (runs / "eval" / "specialist" / "table.md").read_text(encoding="utf-8")
+    assert "| grpo | 70.5% (+20.5*) | 74.2% (+22.6*) |" in markdown and "grpo 2, gspo 1, chord 1" in markdown
+

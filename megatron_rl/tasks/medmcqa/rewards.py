@@ -33,8 +33,9 @@ as A ("so a" inside "also a"), and prefers an earlier "答え:" over a later "An
 (1.0 / 0.1 / 0.0) are the ones used here. Beyond the extractor it had three defects, so its reward
 curve cannot be compared with this one:
 - label offset: the Hugging Face copy of MedMCQA stores `cop` 0–3, the reward mapped 1–4 to A–D,
-  so every gold letter was shifted and answer "a" could never score (here `data prepare medmcqa
-  --cop-base 0` reads that copy correctly);
+  so every gold letter was shifted and answer "a" could never score (here `data prepare medmcqa`
+  detects the copy's base, `detect_cop_base` in `data.py`, and reads it correctly; `--cop-base`
+  overrides it);
 - gold by batch position: it took the i-th gold of the dataset for the i-th completion of a
   batch (no `indices` kwarg is passed by ms-swift), not the completion's own question (here each
   reward call receives its own sample);
