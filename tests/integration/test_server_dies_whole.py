@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 
+from bench.faults import port_binds
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.server import RolloutServer
@@ -105,18 +106,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiKillingServe
         srv.stop()
 
 
-def _port_binds(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def _report(server: ApiKillingServer, what: str, thread: threading.Thread) -> dict[str, Any]:
     thread.join(timeout=GONE_WITHIN_S + 60)
     assert server.killed_at is not None and server.failed_at is not None, what
@@ -164,4 +153,4 @@ def test_an_api_process_killed_alone_during_a_weight_update_or_a_generation(
         transport.close()
     stopped_port = server.port
     server.stop()
-    assert _port_binds(stopped_port)                  # nothing of it holds the port
+    assert port_binds(stopped_port)                  # nothing of it holds the port
