@@ -18,7 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_rl.tasks.igakuqa.table import SystemSpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -314,16 +317,25 @@ def _load_system(spec: Any, gold: Any, rule: str, id_filter: Any) -> list[Any]:
     return evaluate(gold, _without_dropped(load_predictions(path, system), gold, id_filter), rule)
 
 
+def _system_specs(texts: list[str]) -> list[SystemSpec]:
+    """`label=path` system arguments of `eval table` and `eval specialist`, each label once."""
+    from megatron_rl.tasks.igakuqa.table import parse_system_spec
+
+    specs = [parse_system_spec(text) for text in texts]
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"system labels must be unique, got {', '.join(labels)}")
+    return specs
+
+
 def run_table(args: argparse.Namespace) -> int:
     from megatron_rl.data.schema import DataError
     from megatron_rl.tasks.igakuqa.data import load_igakuqa
-    from megatron_rl.tasks.igakuqa.table import build_table, parse_system_spec
+    from megatron_rl.tasks.igakuqa.table import build_table
 
     try:
-        specs = [parse_system_spec(text) for text in args.systems]
+        specs = _system_specs(args.systems)
         labels = [s.label for s in specs]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"system labels must be unique, got {', '.join(labels)}")
         id_filter = _id_filter(args)
         gold = _filtered_gold(load_igakuqa(args.gold).by_id(), id_filter)
         results = {s.label: _load_system(s, gold, args.rule, id_filter) for s in specs}
@@ -360,14 +372,11 @@ def _write_table(table: dict[str, Any], args: argparse.Namespace) -> int:
 
 def run_specialist(args: argparse.Namespace) -> int:
     from megatron_rl.data.schema import DataError
-    from megatron_rl.tasks.igakuqa.table import parse_system_spec
     from megatron_rl.tasks.specialist.table import build_specialist_table, load_gold
 
     try:
-        specs = [parse_system_spec(text) for text in args.systems]
+        specs = _system_specs(args.systems)
         labels = [s.label for s in specs]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"system labels must be unique, got {', '.join(labels)}")
         id_filter = _id_filter(args)
         table = build_specialist_table(load_gold(args.gold), specs, args.baseline or labels[0], id_filter)
     except (DataError, OSError, ValueError) as exc:
