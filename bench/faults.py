@@ -151,6 +151,7 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     from megatron_rl.train import loop
     from megatron_rl.train.fleet import RolloutFleet
     from megatron_rl.train.loop import train
+    from megatron_rl.train.publisher import WeightPublisher
 
     # The step a phase belongs to: the one being generated (the rollout producer's thread, or the
     # loop's own generation) or the one being trained; the same step in the synchronous loop. A
@@ -238,15 +239,15 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         return result
     RolloutClient._post = client_post_and_kill    # type: ignore[method-assign]
 
-    verify = RolloutFleet.verify
+    verify = WeightPublisher.verify
 
-    def verify_marked(self: RolloutFleet, *args: Any, **kwargs: Any) -> dict:
+    def verify_marked(self: WeightPublisher, *args: Any, **kwargs: Any) -> dict:
         state["in_verify"] = True
         try:
             return verify(self, *args, **kwargs)
         finally:
             state["in_verify"] = False
-    RolloutFleet.verify = verify_marked           # type: ignore[method-assign]
+    WeightPublisher.verify = verify_marked        # type: ignore[method-assign]
 
     logprobs, train_step = Actor.compute_logprobs, Actor.train_step
 

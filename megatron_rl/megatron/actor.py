@@ -150,8 +150,6 @@ class Actor:
         self.lora = None
         self.quantization: Any = None
         """QLoRA: what `quantize.quantize_frozen_base` did (None: the base is in the training dtype)."""
-        self.base_synced = False
-        """QLoRA: the server holds the base's NF4 image (its first sync sends every tensor)."""
         if lora is not None and lora.rank > 0:
             from .lora import apply_lora
 

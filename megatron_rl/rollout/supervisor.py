@@ -33,9 +33,19 @@ watch has seen the death and killed the group."""
 
 
 class WeightSource(Protocol):
-    latest: Any
+    @property
+    def latest(self) -> Any: ...
 
     def resend_latest(self) -> dict[str, Any] | None: ...
+
+
+class ServerLink(WeightSource, Protocol):
+    """One server's end of the weight transport (`sync/`), as the run holds it: its supervisor
+    wraps each round (`supervise`, set to `ServerSupervisor.call`) and re-sends through it."""
+
+    supervise: Callable[..., Any]
+
+    def close(self) -> None: ...
 
 
 @dataclass

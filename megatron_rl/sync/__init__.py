@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from ..rollout.supervisor import ServerLink
 from ..topology import transport_bucket_bytes
 from ..weights.map import WeightAdapter
 from .delta import Mode
@@ -114,7 +115,7 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
 
 def make_transport(backend: Backend, servers: Sequence[EngineServer], sync_root: Path | None,
                    segment_bytes: int, device: torch.device | None = None, *, delta: Mode = "off",
-                   dense_every: int = 20) -> tuple[Transport, list[Any]]:
+                   dense_every: int = 20) -> tuple[Transport, list[ServerLink]]:
     """The sender rank 0 hands to `sync_weights`, and per server the object its supervisor re-sends
     weights through (`latest`, `resend_latest`, `supervise`, `close`). `segment_bytes` is
     `rollout.sync_bucket_mb` (the GPU backends' bucket, which `ipc` caps). The GPU backends send

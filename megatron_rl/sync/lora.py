@@ -24,15 +24,14 @@ def sync_lora(model: torch.nn.Module, adapter: WeightAdapter, transport: Transpo
 
 
 def sync_actor(actor: Actor, adapter: WeightAdapter, transport: Transport | None, version: int,
-               dtype: torch.dtype) -> SyncReport | None:
-    """Full sync, or with LoRA only the adapted tensors (merged). QLoRA's first sync sends every
-    tensor (the NF4 base dequantized, bucket by bucket): the server starts from the original base,
-    the trainer's policy is the base's NF4 image, and the log-prob check must compare the same model."""
+               dtype: torch.dtype, *, whole: bool = False) -> SyncReport | None:
+    """Full sync, or with LoRA only the adapted tensors (merged). `whole`: every tensor, merged
+    (QLoRA's first sync, the NF4 base dequantized bucket by bucket: the server starts from the original
+    base, the trainer's policy is the base's NF4 image, and the log-prob check must compare the same
+    model). Which sync is the first is the caller's to know (`train/publisher.py`)."""
     if actor.lora is None:
         return sync_weights(actor.model, adapter, transport, version, dtype)
-    if actor.quantization is not None and not actor.base_synced:
+    if whole:
         with merged_deltas(actor.model):
-            report = sync_weights(actor.model, adapter, transport, version, dtype)
-        actor.base_synced = True
-        return report
+            return sync_weights(actor.model, adapter, transport, version, dtype)
     return sync_lora(actor.model, adapter, transport, version, dtype)

@@ -4,8 +4,9 @@ With `rollout.max_staleness` > 0 the rollout of the next steps runs meanwhile (`
 
 Each step is two verbs on the run's objects: `learn` (the servers' rollout → the batch → the
 policy's updates) and `publish` (the updated weights to the servers, verified, and the periodic
-evaluation). `RolloutFleet` owns the servers, `Policy` the actor and reference, `TrainData` the
-prompts and their order, `RunDir` the files and the checkpoints.
+evaluation). `RolloutFleet` owns the servers, `WeightPublisher` the weights they hold (the
+version, the transports, the gate), `Policy` the actor and reference, `TrainData` the prompts and
+their order, `RunDir` the files and the checkpoints.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ import torch
 from ..config.schema import RecipeConfig
 from ..console import Progress
 from ..schedule import run_schedule
-from ..sync.verify import Gate
 from ..tasks import LoadedTask, resolve_task
 from ..types import TrainBatch
 from .ahead import Rollouts, make_rollouts
 from .batch import ScoredRollout, build_batch, kl_penalty, probe, score_groups, with_advantages
 from .data import Prompts, TrainData, load_eval_set
-from .fleet import RolloutFleet, sync_metrics
+from .fleet import RolloutFleet
 from .health import RunHealth
 from .metrics import console_line, open_metrics_log, startup_summary, step_metrics, timed
 from .policy import Policy, starting_checkpoint
+from .publisher import WeightPublisher
 from .run import RunDir, Stop, StopSignals, agree_on_stop, init_process_group
 
 
@@ -42,11 +43,12 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     assert schedule is not None
     policy = Policy(cfg, init, schedule.updates)
     fleet = RolloutFleet(cfg, run.path, init)
+    publisher = WeightPublisher(cfg, fleet)
     total = schedule.rollout_steps
     resumed = run.resume(policy.actor, init) if resume else None
     if resumed is not None:
         data.load_state(resumed.extra)
-    start, version = (resumed.step, resumed.version) if resumed else (0, 0)
+    start = resumed.step if resumed else 0
     log = open_metrics_log(cfg, run.path, start)
     health = RunHealth.of(cfg, run.path, start)
     signals = StopSignals().install()
@@ -56,29 +58,21 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
     rollouts = make_rollouts(fleet, data, schedule.prompts_per_rollout, total, cfg.rollout.max_staleness)
     try:
         fleet.start()
-        # A resumed run re-sends its checkpointed weights under their own version.
-        version = version if resumed else version + 1
-        if policy.matches_server_load(resumed is not None):
-            # The noise floor on the servers' own load of the checkpoint; the first sync is gated.
-            checked, gate, first = fleet.calibrate(policy, forced, 0, seq_len, data.pad_id)
-            fleet.push(policy, version)
-            first.update(fleet.verify(policy, checked, version, gate))
-        else:
-            fleet.push(policy, version)
-            checked, gate, first = fleet.calibrate(policy, forced, version, seq_len, data.pad_id)
+        publisher.open()
+        first = publisher.start(policy, forced, seq_len, data.pad_id, resumed.version if resumed else None)
         if fleet.rank0:
             print(startup_summary(cfg, task, policy, fleet, schedule, start, first), flush=True)
         progress = Progress(start + 1, total)
         bad_in_row = 0
-        rollouts.start(start + 1, version)
+        rollouts.start(start + 1, publisher.version)
         for step in range(start + 1, total + 1):
-            learned = learn(cfg, task, data, policy, rollouts, step, version)
+            learned = learn(cfg, task, data, policy, rollouts, step, publisher.version)
             bad_in_row = bad_in_row + 1 if all(u["update_skipped"] for u in learned.updates) else 0
             if bad_in_row >= cfg.trainer.max_bad_steps_in_row:
                 raise Stop(f"{bad_in_row} steps in a row had a non-finite loss or gradient; stopping")
-            version += 1
             with rollouts.servers():
-                published = publish(cfg, task, data, policy, fleet, step, version, (checked, gate), eval_set)
+                published = publish(cfg, task, data, policy, publisher, step, eval_set)
+            version = publisher.version
             rollouts.published(version)
             metrics = learned.metrics(published, version)
             metrics.update({"data/epoch": learned.order["epoch"], "data/position": learned.order["position"]})
@@ -103,7 +97,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
         rollouts.close()
         if log is not None:
             log.close()
-        fleet.close()
+        fleet.close(publisher.close)
 
 
 @dataclass(frozen=True)
@@ -177,18 +171,14 @@ def learn(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, 
                    rollout.metrics, rollout.order)
 
 
-def publish(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, fleet: RolloutFleet, step: int,
-            version: int, probe: tuple[TrainBatch, Gate], eval_set: Prompts | None) -> Published:
-    """Sync the updated weights as `version`, verify them every `rollout.verify_every` versions,
-    evaluate every `evaluation.interval` steps; returns their metrics and timings (collective)."""
+def publish(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, publisher: WeightPublisher,
+            step: int, eval_set: Prompts | None) -> Published:
+    """Sync the updated weights as the next version, verify them every `rollout.verify_every`
+    versions, evaluate every `evaluation.interval` steps; returns their metrics and timings (collective)."""
     timings: dict[str, float] = {}
     with timed(timings, "sync"):
-        fleet.wake()
-        extra = sync_metrics(fleet.push(policy, version))
-        if cfg.rollout.verify_every and version % cfg.rollout.verify_every == 0:
-            batch, gate = probe
-            extra.update(fleet.verify(policy, batch, version, gate))
+        extra = publisher.publish(policy)
     if eval_set is not None and step % cfg.evaluation.interval == 0:
         with timed(timings, "eval"):
-            extra.update(fleet.evaluate(eval_set, task, version, data.decode))
+            extra.update(publisher.fleet.evaluate(eval_set, task, publisher.version, data.decode))
     return Published(extra, timings)

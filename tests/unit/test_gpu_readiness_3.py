@@ -60,12 +60,12 @@ def test_gpu_tests_switch_tf32_off_and_say_so() -> None:
 
 
 def _fleet_with_gate_results(diagnoses: list[Any], over_gate: list[bool]) -> Any:
-    """A RolloutFleet whose probe statistics and diagnoses are given (the collective parts are the
+    """A WeightPublisher whose probe statistics and diagnoses are given (the collective parts are the
     servers' and the gather's; what is tested is the decision after a failed gate)."""
     from megatron_rl.sync import verify as verification
-    from megatron_rl.train.fleet import RolloutFleet
+    from megatron_rl.train.publisher import WeightPublisher
 
-    fleet = object.__new__(RolloutFleet)
+    fleet = object.__new__(WeightPublisher)
     fleet.rank0, fleet.intact_misses = True, 0
     bad, good = torch.tensor([0.5, 0.9, 1.0, 1.0]), torch.tensor([1e-3, 2e-3, 3e-3, 3e-3])
     stats = iter([bad if o else good for o in over_gate])
@@ -84,7 +84,7 @@ def test_a_failed_gate_with_every_tensor_intact_warns_and_three_in_a_row_stop(
 
     from megatron_rl.sync import verify as verification
     from megatron_rl.sync.diagnose import Diagnosis
-    from megatron_rl.train.fleet import INTACT_MISSES_TO_STOP, misses_after_failed_gate
+    from megatron_rl.train.publisher import INTACT_MISSES_TO_STOP, misses_after_failed_gate
     from megatron_rl.train.run import Stop
 
     intact = Diagnosis(sent=10, workers=["w0", "w1"])

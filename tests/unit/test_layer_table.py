@@ -82,3 +82,12 @@ def test_the_reader_sees_relative_lazy_and_type_checking_imports(tmp_path: Path)
     assert cycles(graph) == [["pkg.sub.leaf", "pkg.top"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}}) == [["a", "b", "c"]]
+
+
+def test_the_fleet_holds_the_servers_and_the_publisher_their_weights() -> None:
+    """`train/fleet.py` imports nothing from `sync/`: the weights on the servers have one owner,
+    `train/publisher.py` (aesthetics review 3 §4)."""
+    assert GRAPH["megatron_rl.train.publisher"] & {m for m in GRAPH if m.startswith("megatron_rl.sync")}
+    from_sync = sorted(i for i in GRAPH["megatron_rl.train.fleet"]
+                       if i == "megatron_rl.sync" or i.startswith("megatron_rl.sync."))
+    assert not from_sync, f"train/fleet.py imports {from_sync}: the weights are train/publisher.py's"
