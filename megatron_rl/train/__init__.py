@@ -1,3 +1,3 @@
 """The RL training loop (`megatron-rl train`), by owner: `loop` (train / learn / publish) over
-`Policy` (actor + reference), `RolloutFleet` (the servers), `RunDir` (files, checkpoints, stopping),
-`data`, `batch` and `metrics`."""
+`Policy` (actor + reference), `RolloutFleet` (the servers), `WeightPublisher` (the weights they
+hold), `RunDir` (files, checkpoints, stopping), `data`, `batch` and `metrics`."""
