@@ -53,7 +53,10 @@ class StepRollout:
     groups: list[RolloutGroup]
     metrics: dict[str, float]
     """`rollout/staleness_*`, `rollout/dropped_stale`, `time/trainer_wait_s`, `time/rollout_wait_s`
-    (async: measured here; sync: `time/rollout_wait_s` is filled in by the loop)."""
+    (async: measured here; sync: `time/rollout_wait_s` is filled in by the loop), and
+    `time/rollout_client_cpu_s`: the CPU time rank 0's thread spent in the client for this batch
+    (requests, JSON, decoding), which in async mode runs beside the training step (GPU audit 3
+    finding 9: the producer competes with rank 0's kernel launches for the GIL)."""
     order: dict[str, Any]
     """The prompt order right after this step's prompts were drawn (the metrics' data/*)."""
 
@@ -92,10 +95,13 @@ class SyncRollouts:
     def take(self, step: int, version: int) -> StepRollout:
         begin = time.perf_counter()
         drawn = self.data.draw(self.prompts_per_step)
+        cpu = time.thread_time()
         groups = self.fleet.generate(self.data.prompts, drawn["indices"], step, version)
+        cpu = time.thread_time() - cpu
         self.fleet.sleep()
         metrics = staleness_metrics(groups, version, 0)
         metrics["time/trainer_wait_s"] = time.perf_counter() - begin
+        metrics["time/rollout_client_cpu_s"] = cpu
         return StepRollout(groups, metrics, drawn["order"])
 
     def servers(self) -> AbstractContextManager[None]:
@@ -120,6 +126,8 @@ class _Drawn:
     version: int = 0
     idle_s: float = 0.0
     """How long the servers had nothing to generate before this batch started."""
+    cpu_s: float = 0.0
+    """The producer thread's CPU time for this batch."""
 
 
 @dataclass
@@ -221,6 +229,7 @@ class AheadRollouts:
                   f"{version} dropped and regenerated", flush=True)
         metrics = staleness_metrics(groups, version, len(stale))
         metrics.update({"time/trainer_wait_s": waited, "time/rollout_wait_s": drawn.idle_s,
+                        "time/rollout_client_cpu_s": drawn.cpu_s,
                         "rollout/generated_version": float(drawn.version)})
         return StepRollout(groups, metrics, drawn.order)
 
@@ -241,7 +250,9 @@ class AheadRollouts:
                 with self.lock:
                     drawn.idle_s = time.perf_counter() - idle_since
                     version = self.shared.version
+                    cpu = time.thread_time()
                     groups = self.fleet.rollout_rank0(self.data.prompts, drawn.indices, step, version)
+                    drawn.cpu_s = time.thread_time() - cpu
                     idle_since = time.perf_counter()
                 with self.shared.cond:
                     drawn.groups, drawn.version = groups, version

@@ -164,6 +164,33 @@ def test_ahead_generates_each_batch_on_one_version_within_the_bound() -> None:
     assert all(m["time/trainer_wait_s"] >= 0 and m["time/rollout_wait_s"] >= 0 for _, _, m, _ in got)
 
 
+class BusyFleet(FakeFleet):
+    """A client that spends `busy_s` of CPU (decoding) on top of waiting `generate_s` for the server."""
+
+    def __init__(self, busy_s: float) -> None:
+        super().__init__()
+        self.busy_s = busy_s
+
+    def rollout_rank0(self, prompts: Prompts, indices: list[int], step: int, version: int) -> list[RolloutGroup]:
+        end = time.thread_time() + self.busy_s
+        while time.thread_time() < end:
+            pass
+        return super().rollout_rank0(prompts, indices, step, version)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_client_s_cpu_time_is_measured_on_the_thread_that_spends_it(ahead: bool) -> None:
+    """`time/rollout_client_cpu_s` (GPU audit 3 finding 9): the CPU the client thread burnt, not its
+    wait for the server, and on the producer's thread in async mode, not the trainer's."""
+    for busy_s, low, high in ((0.0, 0.0, 0.015), (0.04, 0.04, 0.2)):
+        fleet = BusyFleet(busy_s)
+        source = (AheadRollouts(fleet, data(), 3, last_step=3, max_staleness=1) if ahead  # type: ignore[arg-type]
+                  else SyncRollouts(fleet, data(), 3))                                    # type: ignore[arg-type]
+        got = run(source, fleet, 3, train_s=0.0)
+        cpu = [m["time/rollout_client_cpu_s"] for _, _, m, _ in got]
+        assert all(low <= c < high for c in cpu), (busy_s, cpu)
+
+
 def test_ahead_draws_the_prompts_the_synchronous_loop_draws() -> None:
     sync_fleet, ahead_fleet = FakeFleet(), FakeFleet()
     sync = run(SyncRollouts(sync_fleet, data(), 5), sync_fleet, 6)  # type: ignore[arg-type]
