@@ -40,7 +40,16 @@ from ..config.schema import RolloutConfig
 from ..ports import free_port
 from .affinity import CPUS_ENV, format_cpu_list, online_cpus
 from .engines import ENGINES
-from .shm import SERVER_TMP_ENV, SHM, new_server_tmp_dir, remove_server_tmp_dir, remove_unused, wait_group_gone
+from .shm import (
+    SERVER_TMP_ENV,
+    SHM,
+    group_segments,
+    hand_over,
+    new_server_tmp_dir,
+    remove_server_tmp_dir,
+    remove_unused,
+    wait_group_gone,
+)
 from .watch import POLL_S, ServerWatch
 
 EXTERNAL_SERVERS_ENV = "MEGATRON_RL_ROLLOUT_SERVERS"
@@ -337,6 +346,7 @@ class RolloutServer:
         if self.proc is None:
             self._remove_tmp_dir()      # of a start that failed before its process ran
             return
+        hand_over(self.proc.pid, sorted(self._new_shm_names() | set(group_segments(self.proc.pid))), self.tmp_dir)
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -352,9 +362,14 @@ class RolloutServer:
         """What the server's killed processes could not remove themselves (a SIGKILLed group takes
         vLLM's resource tracker with it): the /dev/shm names that appeared since it first started
         and that nobody uses, and its temp directory."""
-        if SHM.is_dir() and self.shm_before is not None:
-            remove_unused(set(os.listdir(SHM)) - self.shm_before)
+        remove_unused(self._new_shm_names())
         self._remove_tmp_dir()
+
+    def _new_shm_names(self) -> set[str]:
+        """The /dev/shm names that appeared since this server first started (its own among them)."""
+        if not SHM.is_dir() or self.shm_before is None:
+            return set()
+        return set(os.listdir(SHM)) - self.shm_before
 
     def _remove_tmp_dir(self) -> None:
         remove_server_tmp_dir(self.tmp_dir)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -60,14 +59,10 @@ def _hand_over_leftovers() -> None:
     detached process removes the /dev/shm files our group maps now (vLLM's queues and semaphores)
     and our temp directory once the group is gone. Best effort: the kill must happen regardless."""
     try:
-        from .shm import SERVER_TMP_ENV, group_segments
+        from .shm import SERVER_TMP_ENV, group_segments, hand_over
 
         group = os.getpgrp()
-        tmp = os.environ.get(SERVER_TMP_ENV)
-        cmd = [sys.executable, "-m", "megatron_rl.rollout.shm", "--after-group", str(group),
-               *(["--tmp-dir", tmp] if tmp else []), *group_segments(group)]
-        subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+        hand_over(group, group_segments(group), os.environ.get(SERVER_TMP_ENV))
     except Exception:       # whatever went wrong, the group still goes
         pass
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -44,7 +46,10 @@ SYNC_PREFIX = "megatron-rl-sync-"
 SERVER_TMP_PREFIX = "megatron-rl-server-"
 SERVER_TMP_ENV = "MRL_SERVER_TMPDIR"
 """Names the server's own temp directory to its processes (it is also their TMPDIR)."""
-VLLM_PREFIXES = ("psm_", "sem.mp-")
+VLLM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
+"""`vllm_dist_*` in /dev/shm: the CPU tensor-parallel communicator's blocks (`<VLLM_DIST_IDENT>-…-cpushm_<rank>`,
+`vllm/distributed/device_communicators/cpu_communicator.py:237-243`), 4 MiB a worker, which its C++
+manager unlinks only at a clean exit: a TP 2 server on CPU left two per SIGKILL."""
 
 
 def mapped_paths(pgid: int | None = None) -> set[str]:
@@ -208,6 +213,26 @@ def remove_after_group(pgid: int, names: Iterable[str], tmp_dir: str | None = No
     freed = remove_unused(names, root)
     remove_server_tmp_dir(tmp_dir)
     return freed
+
+
+_handed: list[subprocess.Popen[bytes]] = []
+"""The clean-ups started here, kept (and reaped once done) so that none is garbage-collected running."""
+
+
+def hand_over(pgid: int, names: Iterable[str], tmp_dir: Path | str | None) -> None:
+    """Start the detached clean-up (`remove_after_group`) of group `pgid`: whoever is about to kill
+    a server (its own watchdog, or `RolloutServer.stop`) starts it first, so that the server's
+    files go once its group is gone even if the killer dies meanwhile (a trainer SIGKILLed while it
+    restarts its server). Best effort: a failure to start it must not stop the kill."""
+    cmd = [sys.executable, "-m", "megatron_rl.rollout.shm", "--after-group", str(pgid),
+           *(["--tmp-dir", str(tmp_dir)] if tmp_dir else []), *names]
+    _handed[:] = [p for p in _handed if p.poll() is None]
+    try:
+        _handed.append(subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        cwd=Path(__file__).resolve().parents[2]))
+    except OSError:
+        pass
 
 
 def remove_stale(min_age_s: float = 10.0, root: Path = SHM) -> int:

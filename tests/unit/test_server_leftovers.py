@@ -6,6 +6,7 @@ themselves, as a SIGKILLed vLLM does not."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import signal
@@ -160,6 +161,70 @@ def test_a_server_whose_trainer_died_removes_its_files_as_its_watchdog_kills_it(
         server.kill()
         queue.unlink(missing_ok=True)
         shm.remove_server_tmp_dir(tmp)
+
+
+STOPPING_TRAINER = r'''
+import signal, sys
+from pathlib import Path
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout.server import RolloutServer
+
+SERVER = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + sys.argv[2]  # a stop waits
+
+class StandIn(RolloutServer):
+    def command(self):
+        return [sys.executable, "-c", SERVER, str(self.port)]
+
+server = StandIn("model", Path(sys.argv[1]), RolloutConfig(startup_timeout_s=60), 64, stop_token_ids=[0])
+server.start()
+print(server.proc.pid, server.tmp_dir, flush=True)
+sys.stdin.readline()
+server.stop()
+'''
+
+
+def test_a_trainer_killed_while_it_stops_its_server_leaves_nothing_of_it(tmp_path: Path) -> None:
+    """The fault bench's trainer SIGKILLed in the middle of a restart: `stop` had signalled the
+    server and was waiting for it. Its clean-up was handed to a detached process first."""
+    trainer = subprocess.Popen([sys.executable, "-c", STOPPING_TRAINER, str(tmp_path / "run"), SERVER],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                               env=dict(os.environ, PYTHONPATH=str(REPO)))
+    pgid = 0
+    try:
+        assert trainer.stdin is not None and trainer.stdout is not None
+        pid, tmp_dir = trainer.stdout.readline().split()
+        pgid, tmp, queue = int(pid), Path(tmp_dir), shm.SHM / f"psm_mrltest_{pid}"
+        assert _wait_for(queue.is_file) and tmp.is_dir()
+        trainer.stdin.write("stop\n")
+        trainer.stdin.flush()
+        assert _wait_for(lambda: len(list(Path("/proc").glob("*/cmdline"))) > 0 and _detached_remover_of(pgid))
+        trainer.kill()                                  # in stop's wait for the SIGTERM-deaf server
+        trainer.wait()
+        os.killpg(pgid, signal.SIGKILL)                 # as its watchdog or the OOM killer would
+        assert _wait_for(lambda: not queue.exists() and not tmp.exists(), 15.0), (queue.exists(), tmp.exists())
+    finally:
+        trainer.kill()
+        if pgid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            (shm.SHM / f"psm_mrltest_{pgid}").unlink(missing_ok=True)
+
+
+def test_the_cpu_tensor_parallel_blocks_are_a_servers_leftovers_too(tmp_path: Path) -> None:
+    # vLLM's CPU communicator (`cpu_communicator.py:237-243`): one 4 MiB block per TP worker.
+    block = tmp_path / "vllm_dist_0123abcd-tp:0-[0-1]-cpushm_0"
+    block.write_bytes(b"x" * 4096)
+    with mapped(block):
+        assert shm.stale_vllm_segments(tmp_path, 0.0) == []
+    assert shm.stale_vllm_segments(tmp_path, 0.0) == [block]
+
+
+def _detached_remover_of(pgid: int) -> bool:
+    for cmdline in Path("/proc").glob("*/cmdline"):
+        with contextlib.suppress(OSError):
+            if f"--after-group\0{pgid}\0" in cmdline.read_text():
+                return True
+    return False
 
 
 TAKEN_ONCE = r'''
