@@ -14,10 +14,17 @@ PACKED_BUFFERS = 2
 
 def open_group(address: str, port: int, world_size: int, device: torch.device) -> Any:
     """Rank 0 of the NCCL group the servers' workers join (PyNcclCommunicator on `device`)."""
+    return open_member(address, port, 0, world_size, device)
+
+
+def open_member(address: str, port: int, rank: int, world_size: int, device: torch.device) -> Any:
+    """Member `rank` of a stateless NCCL group (vLLM's PyNcclCommunicator on the CUDA `device`;
+    rank 0 hosts its store at `address:port`): the servers' weight-transfer group, or the rollout
+    nodes' receivers' (`sync/network.py`)."""
     from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
     with torch.cuda.device(device):
-        return stateless_init_process_group(address, port, 0, world_size, device)
+        return stateless_init_process_group(address, port, rank, world_size, device)
 
 
 def broadcast(comm: Any, tensors: dict[str, torch.Tensor], device: torch.device, packed: bool) -> None:

@@ -175,8 +175,10 @@ class SegmentWriter:
     (`ShmLink.resend_latest`) without the trainer ranks gathering again — also when it died mid-load.
     """
 
-    def __init__(self, root: Path | None, segment_bytes: int) -> None:
+    def __init__(self, root: Path | None, segment_bytes: int, *, shm: Path | None = None) -> None:
         self.root = root
+        self.shm = shm
+        """In place: the directory standing for this node's /dev/shm (None: /dev/shm itself)."""
         self.segment_bytes = segment_bytes
         self.in_place = root is None
         self.dir: Path | None = None
@@ -193,7 +195,7 @@ class SegmentWriter:
         if self.in_place:
             if self.dir is None:
                 # The pid in the name lets a later run tell a dead run's segments (rollout/shm.py).
-                self.dir = Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-", dir=_shm_root()))
+                self.dir = Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-", dir=self.shm or _shm_root()))
                 # A copy of the weights in RAM: gone at exit also where close() was not reached.
                 weakref.finalize(self, _remove_in_creator, self.dir, os.getpid())
             self.overwritten = self.latest is not None or self.overwritten
