@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from .config.schema import RecipeConfig
 
@@ -191,3 +191,42 @@ def sync_traffic(senders: Sequence[ShmSender], server_nodes_: Sequence[int], upd
             received=update_bytes if mine and len(senders) > 1 and mine[0].rank != 0 else 0,
             worker_reads=update_bytes * engines_per_server * len(reads)))
     return out
+
+
+NODE_COPY_RECEIVERS = False
+"""Whether a disaggregated job runs a weight-copy receiver (`sync/network.py`) beside each rollout
+node's server. Not yet: the sbatch script's `rollout-server` steps start none and the trainer does
+not open the receivers' group, so the `shm` syncs of a disaggregated recipe go through the shared
+run directory, the fallback."""
+
+WeightCopyKind = Literal["node_shm", "nodes_shm", "network", "shared_run_dir", "none"]
+
+
+@dataclass(frozen=True)
+class WeightCopy:
+    """Where the copy of the weights a (restarted) server loads from lives, and how it gets there."""
+
+    kind: WeightCopyKind
+    line: str
+    """What `recipe validate` and `recipe show` say."""
+
+
+def weight_copy_path(cfg: RecipeConfig, receivers: bool = NODE_COPY_RECEIVERS) -> WeightCopy:
+    """The path a recipe's weight syncs take (`receivers`: whether the rollout nodes run a weight-copy
+    receiver, `NODE_COPY_RECEIVERS` for the job the sbatch script starts)."""
+    r = cfg.rollout
+    if r.weight_transfer != "shm":
+        return WeightCopy("none", f"weight sync: {r.weight_transfer} from trainer rank 0's GPU straight into the "
+                                  "servers' workers; no copy is kept (a restarted server stops the run)")
+    senders = recipe_shm_senders(cfg)
+    if r.placement == "colocated":
+        if len(senders) > 1:
+            return WeightCopy("nodes_shm", f"weight sync: each of the {len(senders)} nodes' first rank writes its "
+                                           "node's copy into its /dev/shm, from rank 0's broadcast")
+        return WeightCopy("node_shm", "weight sync: trainer rank 0 writes the copy into its node's /dev/shm")
+    if receivers:
+        return WeightCopy("network", f"weight sync: over the network (NCCL on GPU, gloo on CPU) into each of the "
+                                     f"{r.nodes} rollout nodes' /dev/shm, where a restarted server reloads from")
+    return WeightCopy("shared_run_dir", f"weight sync: through the shared run dir (<run>/rollout/sync), which each of "
+                                        f"the {r.nodes} rollout nodes reads: the fallback (the rollout nodes run no "
+                                        "weight-copy receiver, sync/network.py)")

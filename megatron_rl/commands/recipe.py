@@ -41,6 +41,7 @@ def schedule_comment(cfg: RecipeConfig) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..config import dump_yaml
     from ..config.check import load, validate
+    from ..topology import weight_copy_path
 
     if args.verb == "validate":
         return validate(args.path, args.overrides, check_paths=not args.no_check_paths)
@@ -50,4 +51,5 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(dump_yaml(cfg))
     sys.stdout.write(f"# in force: algorithm.correction.mode {cfg.correction_summary}\n")
     sys.stdout.write(schedule_comment(cfg))
+    sys.stdout.write(f"# {weight_copy_path(cfg).line}\n")
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
+from ..topology import weight_copy_path
 from .errors import ConfigError
 from .loader import load_recipe
 from .rules import Finding, lint
@@ -63,6 +64,7 @@ def validate(path: str, overrides: Sequence[str] = (), *, check_paths: bool = Tr
     errors = [f for f in findings if f.level == "error"]
     for finding in findings:
         print(f"  {finding}", file=sys.stderr if finding.level == "error" else sys.stdout)
+    print(f"  {weight_copy_path(cfg).line}")
     passed, failed = verdicts
     print(f"{path}: {failed if errors else passed} ({len(errors)} errors, {len(findings) - len(errors)} warnings)")
     return 1 if errors else 0
