@@ -86,15 +86,29 @@ class CopyGroup:
     def broadcast(self, t: torch.Tensor) -> None:
         """From rank 0: CPU tensors over gloo, CUDA ones over NCCL (on the current stream, then synced)."""
         if t.device.type == "cuda":
-            assert self.nccl is not None, "CUDA tensors need the NCCL communicator"
-            with torch.cuda.device(t.device):
-                stream = torch.cuda.current_stream(t.device)
-                self.nccl.broadcast(t, src=0, stream=stream)
-                stream.synchronize()
+            self._nccl_broadcast(t)
             return
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         self.pg.broadcast([t], opts).wait()
+
+    def _nccl_broadcast(self, t: torch.Tensor) -> None:
+        """NCCL has no deadline of its own: a member that died mid-broadcast leaves the kernel
+        waiting forever. So wait on an event, and past `timeout_s` abort the communicator
+        (`PyNcclCommunicator.destroy`: ncclCommAbort, which ends the kernel) and raise."""
+        assert self.nccl is not None, "CUDA tensors need the NCCL communicator"
+        with torch.cuda.device(t.device):
+            stream = torch.cuda.current_stream(t.device)
+            self.nccl.broadcast(t, src=0, stream=stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+            deadline = time.monotonic() + self.address.timeout_s
+            while not done.query():
+                if time.monotonic() > deadline:
+                    self.nccl.destroy()
+                    raise RuntimeError(f"NCCL broadcast of {t.nbytes} bytes not done after {self.address.timeout_s:.0f}"
+                                       " s (a member died or hung): communicator aborted")
+                time.sleep(0.001)
 
     def header(self, op: int = 0, meta: int = 0, nbytes: int = 0) -> tuple[int, int, int]:
         h = torch.tensor([op, meta, nbytes], dtype=torch.int64)
