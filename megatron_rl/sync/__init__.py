@@ -7,7 +7,9 @@ backend (`rollout.weight_transfer`):
 
 - `shm` (`shm.py`): segment files written once, read by every server's `mrl_shm` engine; CPU and GPU.
   Colocated over several nodes (`nodes.py`), each node's first rank writes its node's copy, from
-  rank 0's broadcast: those ranks hold a transport too, and take every part in step.
+  rank 0's broadcast: those ranks hold a transport too, and take every part in step. For servers
+  on rollout nodes, `network.py` streams each version to a receiver per rollout node, into that
+  node's /dev/shm (not yet started by the trainer: those syncs use the shared run dir, the fallback).
 - `nccl`, `ipc` (`gpu.py`): vLLM's own GPU engines.
 
 `lora.py` sends only what LoRA adapters change; `verify.py` checks what the servers then compute,
