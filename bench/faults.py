@@ -42,6 +42,7 @@ for `--kinds group` and about an hour for all kinds.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import os
 import random
@@ -83,6 +84,13 @@ PARTIAL_PHASES = ("generate", "verify", "pause", "start", "update", "finish", "l
 (generation, verification, each sync route): a process of the server dies (or stops) under it."""
 HANG_TIMEOUT_S = 10
 """rollout.hang_timeout_s of a run with "stop" faults."""
+PRODUCER: contextvars.ContextVar[bool] = contextvars.ContextVar("producer", default=False)
+"""Set in the asynchronous rollout's producer thread, and so in the threads its requests' recoveries
+run in (the client's `on_failure` runs by `asyncio.to_thread`, which copies the context)."""
+RECOVERING: contextvars.ContextVar[bool] = contextvars.ContextVar("recovering", default=False)
+"""Set while this thread's supervisor brings a killed server back: the calls it makes then (the
+restart's re-send and check) are not the step's own, and get no fault of their own (but a
+bring-back phase's)."""
 
 
 def fault_items(kinds: tuple[str, ...], phases: tuple[str, ...] = PARTIAL_PHASES) -> list[str]:
@@ -149,6 +157,7 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     from megatron_rl.rollout.supervisor import ServerSupervisor
     from megatron_rl.sync.shm import SegmentWriter
     from megatron_rl.train import loop
+    from megatron_rl.train.ahead import AheadRollouts
     from megatron_rl.train.fleet import RolloutFleet
     from megatron_rl.train.loop import train
     from megatron_rl.train.publisher import WeightPublisher
@@ -157,15 +166,17 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     # loop's own generation) or the one being trained; the same step in the synchronous loop. A
     # bring-back phase belongs to the step of the kill whose server is being brought back.
     state: dict[str, Any] = {"generating": 0, "training": 0, "killed_at": 0, "server": None, "done": set(),
-                             "in_verify": False, "answered": 0}
+                             "in_verify": False, "answered": 0, "outstanding": 0,
+                             "restart_s": {}}
 
     def step_of(phase: str) -> int:
         if phase in BRING_BACK:
             return int(state["killed_at"])
-        producer = threading.current_thread().name == "rollout-ahead"
-        return int(state["generating"] if producer or phase in ("reseed", "generate") else state["training"])
+        return int(state["generating"] if PRODUCER.get() or phase in ("reseed", "generate") else state["training"])
 
     def inject(phase: str) -> None:
+        if RECOVERING.get() and phase not in BRING_BACK:
+            return      # a second fault inside one recovery would be timed as the first's
         step = step_of(phase)
         server = state["server"]
         items = [i for i in plan.get(step, []) if phase_and_kind(i)[0] == phase and (step, i) not in state["done"]]
@@ -211,6 +222,13 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         return post(self, path, body, params, timeout)
     RolloutServer.post = post_and_kill            # type: ignore[method-assign]
 
+    produce = AheadRollouts._produce
+
+    def produce_marked(self: AheadRollouts) -> None:
+        PRODUCER.set(True)                        # this thread's context: its to_thread recoveries copy it
+        produce(self)
+    AheadRollouts._produce = produce_marked       # type: ignore[method-assign]
+
     reseed = RolloutFleet.reseed
 
     def reseed_at(self: RolloutFleet, step: int) -> None:
@@ -232,10 +250,20 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
             if state["in_verify"]:
                 inject("verify")                  # the verification request meets a dead server
             return await client_post(self, client, path, body)
-        result = await client_post(self, client, path, body)
+        if state["outstanding"]:
+            # A request of the step is out (sent, not answered) and this one goes out next: the
+            # death meets both. (After the first answer, as a fallback for one request at a time:
+            # the tiny model answers a step's concurrent requests together, so by the time the
+            # first answer is read the others are often read too and the kill met no request.)
+            inject("generate")
+        state["outstanding"] += 1
+        try:
+            result = await client_post(self, client, path, body)
+        finally:
+            state["outstanding"] -= 1
         state["answered"] += 1
         if state["answered"] == 1:
-            inject("generate")                    # the step's other requests are in flight
+            inject("generate")
         return result
     RolloutClient._post = client_post_and_kill    # type: ignore[method-assign]
 
@@ -275,13 +303,32 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         return save(*args, **kwargs)
     checkpoint_mod.save_checkpoint = save_and_kill        # looked up by RunDir.save at each call
 
+    restart = RolloutServer.restart
+
+    def restart_timed(self: RolloutServer) -> None:
+        begin = time.time()
+        try:
+            restart(self)
+        finally:
+            spent = state["restart_s"]
+            spent[threading.get_ident()] = spent.get(threading.get_ident(), 0.0) + time.time() - begin
+    RolloutServer.restart = restart_timed         # type: ignore[method-assign]
+
     recover = ServerSupervisor.recover
 
     def recover_and_log(self: ServerSupervisor, error: BaseException, phase: str) -> bool:
-        restarted = recover(self, error, phase)
+        # The call met the death here; the restart(s), re-send and check follow.
+        failed, token = time.time(), RECOVERING.set(True)
+        state["restart_s"][threading.get_ident()] = 0.0
+        try:
+            restarted = recover(self, error, phase)
+        finally:
+            RECOVERING.reset(token)
         if restarted:                             # the interrupted call is redone from here
+            spent = round(state["restart_s"][threading.get_ident()], 1)
             with open(log_path.with_name("recoveries.jsonl"), "a") as f:
-                f.write(json.dumps({"t": time.time(), "phase": phase, "trainer_pid": os.getpid()}) + "\n")
+                f.write(json.dumps({"t": time.time(), "failed_t": failed, "restart_s": spent, "phase": phase,
+                                    "trainer_pid": os.getpid()}) + "\n")
         return restarted
     ServerSupervisor.recover = recover_and_log    # type: ignore[method-assign]
 
@@ -455,20 +502,29 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def recovery_report(injections: list[dict[str, Any]], recoveries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Seconds from each fault to the run going on (the supervisor's restart done, the interrupted
-    call about to be redone), the worst per kind, and the faults over 60 s or never recovered (the
-    SIGKILLed trainer's last fault, whose step the resumed run redoes, has none)."""
+    """Per fault, the seconds from it to the run going on (`s`: the supervisor's restart done and
+    checked, the interrupted call about to be redone), of which `failed_after_s` until the call
+    met the death (the supervisor called) and `restart_s` in the server's restarts (stop, start to
+    healthy); the worst per kind, and the faults over 60 s or never recovered (the SIGKILLed
+    trainer's last fault, whose step the resumed run redoes, has none)."""
     seconds: list[dict[str, Any]] = []
     for i in injections:
-        after = [r["t"] for r in recoveries if r["trainer_pid"] == i["trainer_pid"] and r["t"] >= i["t"]]
+        after = [r for r in recoveries if r["trainer_pid"] == i["trainer_pid"] and r["t"] >= i["t"]]
+        first = min(after, key=lambda r: r["t"]) if after else None
+        failed = first.get("failed_t") if first else None
         seconds.append({"step": i["step"], "phase": i["phase"], "kind": i.get("kind", "group"),
-                        "s": round(min(after) - i["t"], 1) if after else None})
+                        "s": round(first["t"] - i["t"], 1) if first else None,
+                        "failed_after_s": round(max(0.0, failed - i["t"]), 1) if failed is not None else None,
+                        "restart_s": first.get("restart_s") if first else None})
     timed = [x for x in seconds if x["s"] is not None]
     by_kind: dict[str, float] = {}
     for x in timed:
         by_kind[x["kind"]] = max(by_kind.get(x["kind"], 0.0), x["s"])
     worst = max(timed, key=lambda x: x["s"], default=None)
     return {"recovery_s_worst": worst, "recovery_s_worst_by_kind": by_kind,
+            "failed_after_s_worst": max((x["failed_after_s"] for x in timed if x["failed_after_s"] is not None),
+                                        default=None),
+            "recoveries": seconds,
             "recovery_over_60s": [x for x in timed if x["s"] > 60],
             "never_recovered": [x for x in seconds if x["s"] is None]}
 
@@ -568,7 +624,9 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`argv`, default sys.argv): what `driver` takes (tests/integration builds
+    its run from it too)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, help="default: enough for every fault once (20 for --kinds group)")
     ap.add_argument("--kinds", default="group", help=f"comma-separated fault kinds of {','.join(KINDS)} (see KINDS)")
@@ -584,7 +642,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-name", help=argparse.SUPPRESS)
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.out = args.out.resolve()
     args.kinds = tuple(k for k in args.kinds.split(",") if k)
     if not args.kinds or set(args.kinds) - set(KINDS):
@@ -593,13 +651,36 @@ def main() -> None:
     if not args.phases or set(args.phases) - set(PARTIAL_PHASES):
         ap.error(f"--phases: choose from {', '.join(PARTIAL_PHASES)}")
     args.steps = args.steps or max(20 if "group" in args.kinds else 0, steps_needed(args.kinds, args.phases))
+    return args
+
+
+def child_overrides(args: argparse.Namespace) -> list[str]:
+    """The trainer's recipe overrides: the demo's assets wherever they are built ($MEGATRON_RL_CACHE),
+    the small batch, the plan's steps, the run dir."""
+    from megatron_rl.commands.demo import asset_overrides
+
+    return asset_overrides() + SMALL + [
+        f"trainer.max_steps={args.steps}", f"checkpoint.save_interval={SAVE_INTERVAL}",
+        f"logging.output_dir={args.out}", f"logging.run_name={args.run_name}", "logging.tensorboard=false",
+        f"rollout.tensor_parallel_size={args.tp}"] \
+        + ([f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"] if "stop" in args.kinds else []) \
+        + async_overrides(args.max_staleness)
+
+
+def passed(result: dict[str, Any]) -> bool:
+    """Every fault survived, nothing lost or twice, every planned fault hit and noticed, a healthy
+    model, every recovery under 60 s, nothing of a faulted server left."""
+    return result["survived"] == result["injected"] and not result["steps_lost"] and not result["steps_duplicated"] \
+        and not result["never_reached"] and not result["not_met"] and not result["health"]["collapsed"] \
+        and not result["recovery_over_60s"] \
+        and not result["processes_left"] and not result["ports_left"] and not result["left_after_10s"] \
+        and not result["shm_left"]
+
+
+def main() -> None:
+    args = parse()
     if args.child:
-        overrides = SMALL + [f"trainer.max_steps={args.steps}", f"checkpoint.save_interval={SAVE_INTERVAL}",
-                             f"logging.output_dir={args.out}", f"logging.run_name={args.run_name}",
-                             "logging.tensorboard=false", f"rollout.tensor_parallel_size={args.tp}"] \
-            + ([f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"] if "stop" in args.kinds else []) \
-            + async_overrides(args.max_staleness)
-        sys.exit(child(str(REPO / "recipes" / "tiny" / "grpo.yaml"), overrides,
+        sys.exit(child(str(REPO / "recipes" / "tiny" / "grpo.yaml"), child_overrides(args),
                        schedule(args.steps, args.seed, args.kinds, args.phases),
                        args.out / args.run_name / "injections.jsonl",
                        args.resume))
@@ -607,12 +688,7 @@ def main() -> None:
     for key in ("never_reached", "not_met"):
         if result[key]:
             print(f"FAULT INJECTION BROKEN: {key}: {result[key]}", file=sys.stderr)
-    ok = result["survived"] == result["injected"] and not result["steps_lost"] and not result["steps_duplicated"] \
-        and not result["never_reached"] and not result["not_met"] and not result["health"]["collapsed"] \
-        and not result["recovery_over_60s"] \
-        and not result["processes_left"] and not result["ports_left"] and not result["left_after_10s"] \
-        and not result["shm_left"]
-    sys.exit(0 if ok else 1)
+    sys.exit(0 if passed(result) else 1)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,19 @@ def cache_root(repo: Path = REPO, env: Mapping[str, str] = os.environ) -> Path:
         return Path(env.get("TMPDIR") or tempfile.gettempdir()) / "megatron-rl-cache"
 
 
+def asset_overrides() -> list[str]:
+    """The demo's assets, built once into `cache_root()`, as recipe overrides: the built files by
+    their paths, wherever the cache is (the tiny recipes' relative paths assume the checkout's .cache)."""
+    import yaml
+
+    from ..demo.prepare import prepare_demo_assets
+
+    fields = yaml.safe_load((REPO / "recipes" / "tiny" / "base.yaml").read_text())["model"]["tiny"]
+    assets = prepare_demo_assets(cache_root() / "demo", fields)
+    return [f"model.init_checkpoint={assets['model']}", f"data.train_path={assets['train']}",
+            f"data.eval_path={assets['eval']}"]
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="tiny GRPO run on CPU with a real vLLM server (the README's main job)")
     p.add_argument("--recipe", default=str(REPO / "recipes" / "tiny" / "grpo.yaml"))
@@ -43,17 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
-
     from ..config.check import load_checked
-    from ..demo.prepare import prepare_demo_assets
 
-    fields = yaml.safe_load((REPO / "recipes" / "tiny" / "base.yaml").read_text())["model"]["tiny"]
-    assets = prepare_demo_assets(cache_root() / "demo", fields)
-    # The built files by their paths, wherever the cache is (the recipe's relative paths assume .cache).
-    paths = [f"model.init_checkpoint={assets['model']}", f"data.train_path={assets['train']}",
-             f"data.eval_path={assets['eval']}"]
-    overrides = [*paths, f"logging.run_name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides]
+    overrides = [*asset_overrides(), f"logging.run_name=demo-{time.strftime('%Y%m%d-%H%M%S')}", *args.overrides]
     cfg = load_checked(args.recipe, overrides)
     if cfg is None:
         return 1

@@ -82,10 +82,14 @@ def test_recovery_seconds_are_per_fault_and_the_worst_is_named() -> None:
     inj = [{"step": 1, "phase": "update", "kind": "api", "t": 100.0, "trainer_pid": 1},
            {"step": 2, "phase": "generate", "kind": "stop", "t": 200.0, "trainer_pid": 1},
            {"step": 3, "phase": "resume", "kind": "engine", "t": 300.0, "trainer_pid": 1}]
-    rec = [{"t": 112.5, "trainer_pid": 1}, {"t": 271.0, "trainer_pid": 1}, {"t": 120.0, "trainer_pid": 2}]
+    rec = [{"t": 112.5, "failed_t": 101.0, "restart_s": 9.0, "trainer_pid": 1},
+           {"t": 271.0, "failed_t": 211.5, "restart_s": 50.0, "trainer_pid": 1},
+           {"t": 120.0, "trainer_pid": 2}]
     out = faults.recovery_report(inj, rec)
-    assert out["recovery_s_worst"] == {"step": 2, "phase": "generate", "kind": "stop", "s": 71.0}
+    assert out["recovery_s_worst"] == {"step": 2, "phase": "generate", "kind": "stop", "s": 71.0,
+                                       "failed_after_s": 11.5, "restart_s": 50.0}
     assert out["recovery_s_worst_by_kind"] == {"api": 12.5, "stop": 71.0}
+    assert out["failed_after_s_worst"] == 11.5 and out["recoveries"][0]["failed_after_s"] == 1.0
     assert [x["step"] for x in out["recovery_over_60s"]] == [2] and [x["step"] for x in out["never_recovered"]] == [3]
 
 
