@@ -68,7 +68,11 @@ RPCS = {"mrl_reseed": "reseed", "mrl_check_loaded": "loaded"}
 PHASES = ("reseed", "generate", "verify", *SERVER_CALLS.values(), "loaded", "logprobs", "train", "sync_write",
           "checkpoint")
 SAVE_INTERVAL = 4
-SMALL = ["trainer.global_batch_size=16", "rollout.n=4", "trainer.micro_batch_size=4"]
+SMALL = ["trainer.global_batch_size=64", "rollout.n=4", "trainer.micro_batch_size=4"]
+"""16 prompts × 4 samples a step (a step well under a second here; a restart is the time). With 4
+prompts × 4 at the tiny recipe's lr, a run without any fault is 'collapsed' to the health verdict
+by step 4 in both modes (all 4 groups flat and reward 0 by chance, entropy ×6): the run health
+this bench fails on was the batch's, not the faults'. 20 fault-free steps at 16 × 4: no signal."""
 BRING_BACK = {"init": "train"}
 """Phases only reached while a server is brought back: first kill it at this (idle) moment of the
 same step (the next sync restarts it, and the restart's re-send initialises the engine again)."""

@@ -25,11 +25,11 @@ from .server import RolloutServer, ServerError
 T = TypeVar("T")
 
 CRASH_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError, ServerError, RolloutError)
+"""What a dead server looks like to a caller (refused/reset connections, HTTP 5xx while it dies)."""
 WATCH_GRACE_S = 3.0
 """How long an answered error waits for the server's watch (`rollout/watch.py`, 1 s polls) before it
 counts as not a crash: vLLM answers HTTP 500 "Executor failed" as soon as one worker dies, before the
 watch has seen the death and killed the group."""
-"""What a dead server looks like to a caller (refused/reset connections, HTTP 5xx while it dies)."""
 
 
 class WeightSource(Protocol):
