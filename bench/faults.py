@@ -23,20 +23,23 @@ phase's step is the step the servers were generating for.
 
 The trainer runs in a child process (`--child`) that wraps a few functions to know which phase it
 is in and kills the real server there; nothing is mocked. Phases: the per-step reseed, mid-
-generation (after the first answered request), the verification request, each call of the weight
+generation (a request of the step out, the next one going out), the verification request, each call of the weight
 sync through vLLM's weight-transfer routes (/pause, /init_weight_transfer_engine,
 /start_weight_update, /update_weights, /finish_weight_update, the workers' `mrl_check_loaded` check,
 /reset_prefix_cache, /resume), and the moments the server is idle (the trainer computing
 log-probs, training, writing the sync segments, saving a checkpoint: the death is met at the next
 call). /init_weight_transfer_engine is called once per server process, so its kill comes while a
-server killed earlier in the same step is being brought back.
+server killed earlier in the same step is being brought back; no other fault is injected while a
+server is being brought back (one recovery, one fault).
 
 The run fails (exit 1, `never_reached` / `not_met` in the JSON) when a planned injection point was
 never reached, or a kill was never noticed (no server restart followed it), when the trained run
 collapsed (`health`: its verdict from the `health/*` metrics, `train/health.py`): surviving faults
 with a dead model is no result, and when a recovery took over 60 s or anything of a faulted server
-was left. Each server restart costs 30-60 s on a loaded 2-core VM, so a run takes ~20-30 minutes
-for `--kinds group` and about an hour for all kinds.
+was left. A recovery is a server restart (start to healthy: ~12 s for one rank on a quiet 2-core VM,
+30-60 s under a load of 5-8; "stop" adds `HANG_TIMEOUT_S`) plus the re-send and check (~2 s); each
+fault's share is in `recoveries`. So a run takes ~10 minutes for `--kinds group` (20 steps) and
+~20-30 for all five kinds (57 steps) on a quiet machine, about twice that loaded.
 """
 
 from __future__ import annotations
