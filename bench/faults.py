@@ -681,7 +681,7 @@ def passed(result: dict[str, Any]) -> bool:
         and not result["never_reached"] and not result["not_met"] and not result["health"]["collapsed"] \
         and not result["recovery_over_60s"] \
         and not result["processes_left"] and not result["ports_left"] and not result["left_after_10s"] \
-        and not result["shm_left"]
+        and not result["shm_left"] and not result["tmp_left"]
 
 
 def main() -> None:
