@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "megatron_rl.model_config", "megatron_rl.config")),
     ("pure", ("megatron_rl.objectives", "megatron_rl.advantages", "megatron_rl.logprobs", "megatron_rl.fused_head",
               "megatron_rl.rewards",
-              "megatron_rl.data", "megatron_rl.nf4", "megatron_rl.schedule", "megatron_rl.topology")),
+              "megatron_rl.data", "megatron_rl.nf4", "megatron_rl.schedule", "megatron_rl.topology",
+              "megatron_rl.send_plan")),
     ("tasks", ("megatron_rl.tasks",)),
     # The cross-field rules read tasks and the topology, so they sit above them, not with the schema.
     ("checks", ("megatron_rl.config.rules", "megatron_rl.config.check")),
