@@ -91,8 +91,10 @@ IB_LATENCY_S = 50e-6
 SHARED_FS_GB_S = 10.0
 """A parallel file system client's read or write rate on one node (Lustre/GPFS over one 400 Gb/s
 link reaches 10–20 GB/s; the lower end): the `shm` transport's route to servers on other nodes.
-Assumed, not measured: no production-cluster measurement exists yet. (/dev/shm writes are modelled
-at the PCIe rate; one writer on the 2-core dev VM measured 2.7 GB/s, not a production node.)"""
+Assumed, not measured: no production-cluster measurement exists yet, and none can be taken on the
+dev VM (no parallel file system). /dev/shm writes are modelled at the PCIe rate; one Python writer
+of 1 GiB (256 MiB writes, fresh pages) on the shared 2-core dev VM measured 0.8-1.5 GB/s
+(2026-12-03, 3 runs under load; 2.7 GB/s quiet before), not a production node."""
 
 
 def gpu(name: str) -> GpuSpec:

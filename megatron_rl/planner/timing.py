@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from ..config.rules import delta_sync_where
 from ..config.schema import RecipeConfig
+from ..send_plan import transport_plan
 from .gpus import HOST_STEP_OVERHEAD_S, IB_LATENCY_S, NVLINK_LATENCY_S, SHARED_FS_GB_S, GpuSpec
 from .host import first_sync_bytes, sync_bytes
 from .memory import DTYPE_BYTES, GB, Hardware, RolloutMemory, dense_shards, expert_dp, seq_length
@@ -375,28 +376,34 @@ def optimizer_seconds(params: ModelParams, cfg: RecipeConfig, g: GpuSpec, hw: Ha
 
 
 # ----------------------------------------------------------------------------- sync, sleep
-def sync_seconds(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, g: GpuSpec, hw: Hardware) -> Phase:
-    """A step's sync; QLoRA's first sync, which sends the whole dequantized base
-    (`host.first_sync_bytes`), is in the note (once per run, not per step)."""
-    nbytes, first = sync_bytes(params, cfg), first_sync_bytes(params, cfg)
-    gather, send, how = _sync_parts(nbytes, params, cfg, ro, g)
-    share = delta_share(cfg)
-    if share < 1.0:       # delta: rank 0 still gathers and compares every tensor; it sends the patches
-        send *= share
-        how += (f" (delta: {DELTA_CHANGED_FRAC:.1%} of elements changed, assumed; "
-                f"{share:.1%} of the bytes per sync, a dense one every {cfg.rollout.sync_dense_every})")
-    note = f"{nbytes / GB:.1f} GB: gather {gather:.1f} s, {how} {send:.1f} s"
-    if first != nbytes:
-        seconds = sum(_sync_parts(first, params, cfg, ro, g)[:2])
-        note += f"; the first sync sends the whole base: {first / GB:.1f} GB, {seconds:.0f} s"
-    return Phase("sync", "weight sync (gather to rank 0 + send + load)", gather + send, note)
-
-
 DELTA_CHANGED_FRAC = 0.045
 """Share of a tensor's elements a step changes: the published 4.5 % for Qwen3-30B-A3B bf16 at lr 1e-6
 (1.98 % for a 1T FP8 model); no `bench/sync_bench.py --delta` measurement of a production model is
 in the repo. A patch element costs 3 × a bf16 element (value + int32 index, `sync/delta.py`)."""
 DELTA_PATCH_COST = 3.0
+
+
+def sync_seconds(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, g: GpuSpec, hw: Hardware,
+                 changed: float = DELTA_CHANGED_FRAC) -> Phase:
+    """A step's sync, at `changed` (the share of elements a step changes, printed in the note);
+    QLoRA's first sync, which sends the whole dequantized base (`host.first_sync_bytes`), is in the
+    note (once per run, not per step)."""
+    nbytes, first = sync_bytes(params, cfg), first_sync_bytes(params, cfg)
+    share = delta_share(cfg, changed)
+    gather, send, how = _sync_parts(nbytes, params, cfg, ro, g, share)
+    why = delta_sync_where(cfg) or ("rollout.sync_delta: off" if cfg.rollout.sync_delta == "off" else None)
+    if share < 1.0:       # delta: rank 0 still gathers and compares every tensor; it sends the patches
+        how += (f" (delta: {changed:.1%} of elements changed, assumed; "
+                f"{share:.1%} of the bytes per sync, a dense one every {cfg.rollout.sync_dense_every})")
+    else:
+        would = _delta_mean(cfg.rollout.sync_dense_every, changed)
+        how += (f" (dense: {why or 'past the break-even'}; with {changed:.1%} of elements changed, assumed, "
+                f"a delta would send {would:.1%} of the bytes)")
+    note = f"{nbytes / GB:.1f} GB: gather {gather:.1f} s, {how} {send:.1f} s"
+    if first != nbytes:
+        seconds = sum(_sync_parts(first, params, cfg, ro, g, 1.0)[:2])
+        note += f"; the first sync sends the whole base: {first / GB:.1f} GB, {seconds:.0f} s"
+    return Phase("sync", "weight sync (gather to rank 0 + send + load)", gather + send, note)
 
 
 def delta_share(cfg: RecipeConfig, changed: float = DELTA_CHANGED_FRAC) -> float:
@@ -406,30 +413,42 @@ def delta_share(cfg: RecipeConfig, changed: float = DELTA_CHANGED_FRAC) -> float
     r = cfg.rollout
     if r.sync_delta == "off" or delta_sync_where(cfg) is not None:
         return 1.0
+    return _delta_mean(r.sync_dense_every, changed)
+
+
+def _delta_mean(dense_every: int, changed: float) -> float:
+    """Mean share of the bytes of delta syncs with a whole one every `dense_every`."""
     patch = min(1.0, DELTA_PATCH_COST * changed)
-    return (1.0 + (r.sync_dense_every - 1) * patch) / r.sync_dense_every
+    return (1.0 + (dense_every - 1) * patch) / dense_every
 
 
 def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory,
-                g: GpuSpec) -> tuple[float, float, str]:
-    """(gather seconds, send + load seconds, how) of a sync of `nbytes`."""
+                g: GpuSpec, share: float = 1.0) -> tuple[float, float, str]:
+    """(gather seconds, send + load seconds, how) of a sync of `nbytes`, of which `share` goes to
+    the servers (delta): what the comparison needs whole (the copy of every tensor to rank 0's host,
+    `sync/delta.py`) is not scaled. The gather is the plan's (`send_plan.transport_plan`: none
+    where every rank sends its own shard). Every server loads at once (`routes.on_every_server`),
+    so a server's load is one GPU's part, not the sum over servers."""
     nodes = cfg.parallelism.nodes
-    gather = nbytes * (1 - 1 / nodes) / (g.ib_gb_s * 1e9) + nbytes / nodes / (g.nvlink_gb_s * 1e9)
     r = cfg.rollout
+    plan = transport_plan(cfg, params.dims.experts > 0, [0], r.sync_delta != "off", m2n=False)
+    gather = nbytes * (1 - 1 / nodes) / (g.ib_gb_s * 1e9) + nbytes / nodes / (g.nvlink_gb_s * 1e9)
+    if not plan.gather:
+        gather = 0.0
     remote = r.placement == "disaggregated" or nodes > 1
     # Each server GPU loads its part of what is sent (all of its weights, or LoRA's touched share).
-    load = ro.weights_gb * GB * nbytes / (params.total * DTYPE_BYTES[r.dtype]) / (g.pcie_gb_s * 1e9)
+    load = ro.weights_gb * GB * nbytes / (params.total * DTYPE_BYTES[r.dtype]) / (g.pcie_gb_s * 1e9) * share
     if r.weight_transfer == "nccl":
         return gather, nbytes / ((g.ib_gb_s if remote else g.nvlink_gb_s) * 1e9), "one NCCL broadcast"
     if r.weight_transfer == "ipc":
         return gather, nbytes * r.tensor_parallel_size * r.data_parallel_size / (g.nvlink_gb_s * 1e9), "CUDA IPC copies"
+    host_copy = nbytes / (g.pcie_gb_s * 1e9)         # into the segments (and, delta, the comparison)
     if r.placement == "colocated" and nodes > 1:           # a sender per node, into its /dev/shm
-        return gather, nbytes / (g.ib_gb_s * 1e9) + nbytes / (g.pcie_gb_s * 1e9) + load, \
-            "broadcast to a /dev/shm copy per node"
+        return gather, nbytes * share / (g.ib_gb_s * 1e9) + host_copy + load, "broadcast to a /dev/shm copy per node"
     if remote:            # servers on rollout nodes: the shared run directory
         fs = SHARED_FS_GB_S * 1e9
-        return gather, nbytes / (g.pcie_gb_s * 1e9) + 2 * nbytes / fs + load, "segments in the shared run dir"
-    return gather, nbytes / (g.pcie_gb_s * 1e9) + load, "/dev/shm segments"
+        return gather, host_copy + 2 * nbytes * share / fs + load, "segments in the shared run dir"
+    return gather, host_copy + load, "/dev/shm segments"
 
 
 COLD_READ_GB_S = 2.0

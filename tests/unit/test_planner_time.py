@@ -312,3 +312,23 @@ def test_asynchronous_rollout_overlaps_the_rollout_with_logprobs_and_train() -> 
     assert overlapped.seconds == pytest.approx(
         s["sleep"] + s["sync"] + max(s["rollout"], s["logprobs"] + s["train"]), rel=1e-12)
     assert overlapped.seconds < sync.seconds
+
+
+def test_sync_note_prints_the_changed_fraction_and_the_delta_keeps_the_host_copy_whole() -> None:
+    """Every sync note says the changed-fraction assumption (an input), dense or not; a delta sync
+    still copies every tensor to rank 0's host (the comparison), only the loads shrink."""
+    g, hw = GPUS["H100"], Hardware(8, 80.0)
+    params = count_params(json.loads((RECIPES / "models/qwen3_next_80b_a3b/config.json").read_text()))
+    prod = load_recipe(RECIPES / "qwen3_next_80b_a3b/gspo.yaml")
+    ro = rollout_memory(params, prod, hw)
+    assert "4.5% of elements changed, assumed" in sync_seconds(params, prod, ro, g, hw).note
+    assert "2.0% of elements changed" in sync_seconds(params, prod, ro, g, hw, changed=0.02).note
+    base = load_recipe(RECIPES / "qwen3_next_80b_a3b/grpo.yaml")
+    one = dataclasses.replace(base, parallelism=dataclasses.replace(base.parallelism, nodes=1))
+    ro1 = rollout_memory(params, one, hw)
+    nbytes = params.total * 2
+    host_copy = nbytes / (g.pcie_gb_s * 1e9)
+    load = ro1.weights_gb * GB / (g.pcie_gb_s * 1e9)
+    phase = sync_seconds(params, one, ro1, g, hw, changed=0.02)
+    gather = nbytes / 450e9
+    assert phase.seconds == pytest.approx(gather + host_copy + load * delta_share(one, 0.02))
