@@ -57,6 +57,52 @@ def world_size(server: EngineServer) -> int:
     return int(resp.json()["world_size"])
 
 
+SparsePatch = tuple[str, torch.Tensor, torch.Tensor, tuple[int, ...]]
+"""(HF name, int32 flat indices, values, full shape): vLLM 0.32's `SparseWeightPatch`
+(weight_transfer/sparse_nccl_engine.py), which its trainer engine broadcasts as indices then values."""
+
+
+def sparse_patch(name: str, new: torch.Tensor, old: torch.Tensor | None) -> SparsePatch | None:
+    """What vLLM's `sparse_nccl` gets for one tensor (`new` on the host, `old`: the version the
+    servers hold, None when they hold none): None when nothing changed; the changed elements; or
+    every index (a whole tensor: past the break-even, no previous version, or a tensor a sparse
+    patch would corrupt, `delta.whole_only`). That engine has no dense path (a server runs one
+    engine), and takes int32 indices only (`_validate_patch`) and floating-point tensors only
+    (checkpoint_weight_patch.py `copy_non_nan_`): refused here, naming the tensor."""
+    from .delta import break_even, changed, whole_only
+
+    flat = new.detach().reshape(-1)
+    if not flat.dtype.is_floating_point:
+        raise ValueError(f"{name}: sparse_nccl loads floating-point tensors only, not {flat.dtype}")
+    if flat.numel() >= 2**31:
+        raise ValueError(f"{name}: {flat.numel()} elements; sparse_nccl's indices are int32")
+    if old is None or whole_only(name):
+        where = torch.arange(flat.numel())
+    else:
+        where = changed(flat, old.reshape(-1))
+        if not where.numel():
+            return None
+        if where.numel() > break_even(flat.dtype, flat.numel()) * flat.numel():
+            where = torch.arange(flat.numel())
+    return name, where.to(torch.int32), flat[where], tuple(new.shape)
+
+
+def sparse_update_request(patches: Sequence[SparsePatch]) -> dict[str, Any]:
+    """The /update_weights body of one sparse round (vLLM's `SparseNCCLWeightTransferUpdateInfo`,
+    the same fields its trainer engine's `_broadcast_chunk` builds)."""
+    return {"names": [p[0] for p in patches],
+            "dtype_names": [str(p[2].dtype).removeprefix("torch.") for p in patches],
+            "shapes": [list(p[3]) for p in patches],
+            "num_updates_list": [int(p[1].numel()) for p in patches]}
+
+
+def sparse_init_request(address: str, port: int, rank_offset: int, world_size: int) -> dict[str, Any]:
+    """The /init_weight_transfer_engine body of a `sparse_nccl` server (vLLM's
+    `NCCLWeightTransferInitInfo`, unpacked: sparse transfers are never packed)."""
+    return {"master_address": address, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
+            "packed": False}
+
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
