@@ -162,11 +162,12 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.server import RolloutServer
     from megatron_rl.rollout.supervisor import ServerSupervisor
-    from megatron_rl.sync.shm import SegmentWriter
+    from megatron_rl.sync.shm import SegmentWriter, SharedSegmentTransport
     from megatron_rl.train import loop
     from megatron_rl.train.ahead import AheadRollouts
     from megatron_rl.train.fleet import RolloutFleet
     from megatron_rl.train.loop import train
+    from megatron_rl.train.policy import Policy
     from megatron_rl.train.publisher import WeightPublisher
 
     # The step a phase belongs to: the one being generated (the rollout producer's thread, or the
@@ -284,24 +285,26 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
             state["in_verify"] = False
     WeightPublisher.verify = verify_marked        # type: ignore[method-assign]
 
-    logprobs, train_step = Actor.compute_logprobs, Actor.train_step
+    # The step's log-prob phase, whether or not it runs a π_old forward (on-policy steps take π_old
+    # from the update's own forward and compute none).
+    logprobs, train_step = Policy.logprobs, Actor.train_step
 
-    def logprobs_and_kill(self: Actor, *args: Any, **kwargs: Any) -> Any:
-        if not state["in_verify"]:
-            inject("logprobs")
+    def logprobs_and_kill(self: Policy, *args: Any, **kwargs: Any) -> Any:
+        inject("logprobs")
         return logprobs(self, *args, **kwargs)
 
     def train_and_kill(self: Actor, *args: Any, **kwargs: Any) -> Any:
         inject("train")
         return train_step(self, *args, **kwargs)
-    Actor.compute_logprobs, Actor.train_step = logprobs_and_kill, train_and_kill   # type: ignore[method-assign]
+    Policy.logprobs, Actor.train_step = logprobs_and_kill, train_and_kill   # type: ignore[method-assign]
 
-    send = SegmentWriter.send_bucket            # SharedSegmentTransport's writes (shm backend)
-
-    def send_and_kill(self: SegmentWriter, tensors: Any) -> None:
-        inject("sync_write")
-        send(self, tensors)
-    SegmentWriter.send_bucket = send_and_kill     # type: ignore[method-assign]
+    # The segments' writes: a dense round's (SegmentWriter) and a delta round's patches, which
+    # SharedSegmentTransport writes without calling its base (an injection happens once a step).
+    for writer in (SegmentWriter, SharedSegmentTransport):
+        def send_and_kill(self: Any, tensors: Any, send: Any = writer.send_bucket) -> None:
+            inject("sync_write")
+            send(self, tensors)
+        writer.send_bucket = send_and_kill        # type: ignore[method-assign]
 
     save = checkpoint_mod.save_checkpoint
 
