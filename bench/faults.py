@@ -71,11 +71,9 @@ RPCS = {"mrl_reseed": "reseed", "mrl_check_loaded": "loaded"}
 PHASES = ("reseed", "generate", "verify", *SERVER_CALLS.values(), "loaded", "logprobs", "train", "sync_write",
           "checkpoint")
 SAVE_INTERVAL = 4
-SMALL = ["trainer.global_batch_size=64", "rollout.n=4", "trainer.micro_batch_size=4"]
-"""16 prompts × 4 samples a step (a step well under a second here; a restart is the time). With 4
-prompts × 4 at the tiny recipe's lr, a run without any fault is 'collapsed' to the health verdict
-by step 4 in both modes (all 4 groups flat and reward 0 by chance, entropy ×6): the run health
-this bench fails on was the batch's, not the faults'. 20 fault-free steps at 16 × 4: no signal."""
+# The tiny recipe's own batch (16 prompts × 8 samples): at 16 × 4 the asynchronous run (staleness 1,
+# lr 1e-3) drifted away between restarts (mismatch 0.02 → 0.13 in three steps, entropy ×5) and its
+# health stopped it at step 9; at 4 × 4 a fault-free run is 'collapsed' by chance (all groups flat).
 BRING_BACK = {"init": "train"}
 """Phases only reached while a server is brought back: first kill it at this (idle) moment of the
 same step (the next sync restarts it, and the restart's re-send initialises the engine again)."""
@@ -669,7 +667,7 @@ def child_overrides(args: argparse.Namespace) -> list[str]:
     the small batch, the plan's steps, the run dir."""
     from megatron_rl.commands.demo import asset_overrides
 
-    return asset_overrides() + SMALL + [
+    return asset_overrides() + [
         f"trainer.max_steps={args.steps}", f"checkpoint.save_interval={SAVE_INTERVAL}",
         f"logging.output_dir={args.out}", f"logging.run_name={args.run_name}", "logging.tensorboard=false",
         f"rollout.tensor_parallel_size={args.tp}"] \
