@@ -64,7 +64,8 @@ def validate(path: str, overrides: Sequence[str] = (), *, check_paths: bool = Tr
     errors = [f for f in findings if f.level == "error"]
     for finding in findings:
         print(f"  {finding}", file=sys.stderr if finding.level == "error" else sys.stdout)
-    print(f"  {weight_copy_path(cfg).line}")
+    if not errors:          # which path the weights take is only news for a recipe that can run
+        print(f"  {weight_copy_path(cfg).line}")
     passed, failed = verdicts
     print(f"{path}: {failed if errors else passed} ({len(errors)} errors, {len(findings) - len(errors)} warnings)")
     return 1 if errors else 0
