@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..rollout.engines import MOE_LOAD
 from ..rollout.engines.loaded import views
-from .nodes import NodeCopy
+from .nodes import NodeCopy, copy_problem
 from .routes import EngineServer
 from .shm import ALIGN, SegmentWriter, ShmLink, load_everywhere
 
@@ -266,21 +266,14 @@ class NetworkCopyTransport:
         self._collective(self.group.header, FINISH)
         self.streaming = False
         reports = self._collective(self.group.all_gather_json, {"rank": 0})[1:]
-        problems = [self._problem(k, r, names) for k, r in enumerate(reports)]
+        problems = [copy_problem(f"rollout node {k} (receiver pid {r.get('pid')})", r, names)
+                    for k, r in enumerate(reports)]
         if any(problems):
             raise RuntimeError("weight sync: " + "; ".join(p for p in problems if p))
         for copy, r in zip(self.copies, reports):
             copy.latest, copy.overwritten = (self.version, r["manifest"], Path(r["dir"])), False
         results = load_everywhere(self.links, self.version, [r["manifest"] for r in reports])
         return {**results[0], "servers": len(results), "receivers": len(reports), "buckets": self.buckets}
-
-    @staticmethod
-    def _problem(node: int, report: dict[str, Any], names: list[str]) -> str | None:
-        where = f"rollout node {node} (receiver pid {report.get('pid')})"
-        if report["error"]:
-            return f"{where}: {report['error']}"
-        got = sorted(t[0] for t in json.loads(report["manifest"])["tensors"])
-        return None if got == sorted(names) else f"{where} wrote {len(got)} tensors, {len(names)} were sent"
 
     def abort(self) -> None:
         """The receivers drop the version (after a failed gather on rank 0's side); nothing if the

@@ -251,7 +251,7 @@ class NodeShmTransport(_NodeSender):
         self._release()
         reports: list[Any] = [None] * len(self.senders)
         dist.gather_object(self._report(names), reports, dst=0, group=self.group)
-        problems = [self._problem(s, r, names) for s, r in zip(self.senders, reports)]
+        problems = [copy_problem(f"node {s.node} (rank {s.rank})", r, names) for s, r in zip(self.senders, reports)]
         if any(problems):
             raise RuntimeError("weight sync: " + "; ".join(p for p in problems if p))
         for s, r in zip(self.senders[1:], reports[1:]):
@@ -265,12 +265,13 @@ class NodeShmTransport(_NodeSender):
         return {**results[0], "servers": len(results), "senders": len(self.senders), "buckets": self.buckets,
                 "alone": self.alone}
 
-    @staticmethod
-    def _problem(sender: ShmSender, report: dict[str, Any], names: list[str]) -> str | None:
-        where = f"node {sender.node} (rank {sender.rank})"
-        if report["error"]:
-            return f"{where}: {report['error']}"
-        got = sorted(t[0] for t in json.loads(report["manifest"])["tensors"])
-        if got != sorted(names):
-            return f"{where} wrote {len(got)} tensors, {len(names)} were sent"
-        return None
+
+def copy_problem(where: str, report: dict[str, Any], names: list[str]) -> str | None:
+    """What is wrong with a node's copy of a version (`where` names the node), from its writer's
+    report {error, manifest}: its error, or tensors missing against the `names` sent; None if whole."""
+    if report["error"]:
+        return f"{where}: {report['error']}"
+    got = sorted(t[0] for t in json.loads(report["manifest"])["tensors"])
+    if got != sorted(names):
+        return f"{where} wrote {len(got)} tensors, {len(names)} were sent"
+    return None
