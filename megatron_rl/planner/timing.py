@@ -60,7 +60,6 @@ from dataclasses import dataclass
 
 from ..config.rules import delta_sync_where
 from ..config.schema import RecipeConfig
-from ..send_plan import transport_plan
 from .gpus import HOST_STEP_OVERHEAD_S, IB_LATENCY_S, NVLINK_LATENCY_S, SHARED_FS_GB_S, GpuSpec
 from .host import first_sync_bytes, sync_bytes
 from .memory import DTYPE_BYTES, GB, Hardware, RolloutMemory, dense_shards, expert_dp, seq_length
@@ -426,15 +425,13 @@ def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: Rollo
                 g: GpuSpec, share: float = 1.0) -> tuple[float, float, str]:
     """(gather seconds, send + load seconds, how) of a sync of `nbytes`, of which `share` goes to
     the servers (delta): what the comparison needs whole (the copy of every tensor to rank 0's host,
-    `sync/delta.py`) is not scaled. The gather is the plan's (`send_plan.transport_plan`: none
-    where every rank sends its own shard). Every server loads at once (`routes.on_every_server`),
-    so a server's load is one GPU's part, not the sum over servers."""
+    `sync/delta.py`) is not scaled. Every transport the product runs gathers to rank 0 first
+    (`send_plan.transport_plan`; only nccl_m2n would not, and no production layout fits it). Every
+    server loads at once (`routes.on_every_server`), so a server's load is one GPU's part, not the
+    sum over servers."""
     nodes = cfg.parallelism.nodes
     r = cfg.rollout
-    plan = transport_plan(cfg, params.dims.experts > 0, [0], r.sync_delta != "off", m2n=False)
     gather = nbytes * (1 - 1 / nodes) / (g.ib_gb_s * 1e9) + nbytes / nodes / (g.nvlink_gb_s * 1e9)
-    if not plan.gather:
-        gather = 0.0
     remote = r.placement == "disaggregated" or nodes > 1
     # Each server GPU loads its part of what is sent (all of its weights, or LoRA's touched share).
     load = ro.weights_gb * GB * nbytes / (params.total * DTYPE_BYTES[r.dtype]) / (g.pcie_gb_s * 1e9) * share
