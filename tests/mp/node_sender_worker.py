@@ -32,8 +32,6 @@ from megatron_rl.megatron.actor import Actor, Training, init_parallel  # noqa: E
 from megatron_rl.megatron.devices import compute_device  # noqa: E402
 from megatron_rl.model_config import read_hf_config  # noqa: E402
 from megatron_rl.models import build_model, weight_map  # noqa: E402
-from megatron_rl.rollout.engines.digest import tensor_digest  # noqa: E402
-from megatron_rl.rollout.engines.loaded import views  # noqa: E402
 from megatron_rl.rollout.shm import SHM, SYNC_PREFIX  # noqa: E402
 from megatron_rl.sync import sync_weights  # noqa: E402
 from megatron_rl.sync.diagnose import diagnose_sync  # noqa: E402
@@ -41,6 +39,7 @@ from megatron_rl.sync.nodes import NodeReceiver, NodeShmTransport, open_sender_g
 from megatron_rl.topology import shm_senders  # noqa: E402
 from megatron_rl.weights.loading import load_hf_into_model  # noqa: E402
 from megatron_rl.weights.sharding import gather_hf_layers  # noqa: E402
+from tests.helpers.recording_server import Server  # noqa: E402
 from tests.mp.common import finish  # noqa: E402
 
 LAYOUTS = {2: ParallelismConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True),
@@ -48,31 +47,6 @@ LAYOUTS = {2: ParallelismConfig(tensor_model_parallel_size=2, pipeline_model_par
 """By ranks per node."""
 BUCKET = 64 << 10
 """`rollout.sync_bucket_mb` in bytes, small: the 128 KiB embedding goes alone, the rest in buckets."""
-
-
-class Server:
-    """Answers the weight-transfer routes as a server with the `mrl_shm` engine does, decoding each
-    update from the files its manifest names, through the engine's own decoder."""
-
-    def __init__(self, name: str) -> None:
-        self.base_url, self.token, self.restarts = f"http://{name}", "t", 0
-        self.loaded: dict[str, torch.Tensor] = {}
-        self.segments: list[str] = []
-        self.version = 0
-
-    def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
-        if path == "/update_weights":
-            info = body["update_info"]
-            self.segments = [p for p, _ in info["segments"]]
-            data = [torch.frombuffer(bytearray(Path(p).read_bytes()[:size]), dtype=torch.uint8)
-                    for p, size in info["segments"]]
-            self.loaded = {name: t.clone() for name, t in views(info["tensors"], data)}
-            self.version = info["version"]
-
-    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
-        if method == "mrl_digests":          # the diagnosis: what was loaded, as a worker digests it
-            return [{name: list(tensor_digest(t)) for name, t in self.loaded.items()}]
-        return [{"version": self.version, "tensors": len(self.loaded)}]
 
 
 def reference(model: torch.nn.Module, adapter: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -8,38 +8,15 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from megatron_rl.ports import free_port
-from megatron_rl.rollout.engines.loaded import views
 from megatron_rl.sync.network import CopyGroup, CopyGroupAddress, NetworkCopyTransport, NodeCopyReceiver
+from tests.helpers.recording_server import Server
 
 BUCKET = 4 << 10
-
-
-class Server:
-    """Answers the weight-transfer routes as the `mrl_shm` engine does, from the manifest's files."""
-
-    def __init__(self, name: str) -> None:
-        self.base_url, self.token, self.restarts = f"http://{name}", "t", 0
-        self.loaded: dict[str, torch.Tensor] = {}
-        self.segments: list[str] = []
-        self.version = 0
-
-    def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 60.0) -> None:
-        if path == "/update_weights":
-            info = body["update_info"]
-            self.segments = [p for p, _ in info["segments"]]
-            data = [torch.frombuffer(bytearray(Path(p).read_bytes()[:size]), dtype=torch.uint8)
-                    for p, size in info["segments"]]
-            self.loaded = {n: t.clone() for n, t in views(info["tensors"], data)}
-            self.version = info["version"]
-
-    def rpc(self, method: str, *args: str, timeout: float = 60.0) -> list[Any]:
-        return [{"version": self.version, "tensors": len(self.loaded)}]
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:
