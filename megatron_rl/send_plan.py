@@ -187,3 +187,15 @@ def transport_plan(cfg: RecipeConfig, moe: bool, senders: Sequence[int], delta: 
                              "nccl: vLLM's nccl_m2n (nccl-extensions found): every rank sends its own shard, no gather")
     reason = "nccl-extensions (nccl.m2n) is not importable" if why is None else why
     return TransportPlan("mrl_nccl", True, (0,), f"nccl: vLLM's broadcast from rank 0 (not nccl_m2n: {reason})")
+
+
+def nccl_in_force(cfg: RecipeConfig, moe: bool, m2n: bool | None = None) -> str:
+    """The start-up line of a `rollout.weight_transfer: nccl` run: what megatron-rl sends with
+    today — vLLM's broadcast from rank 0 (`sync/gpu.py`), whatever `transport_plan` would choose —
+    and why not nccl_m2n, which is planned here and not yet driven (GPU audit 5 #7: the line must
+    not claim a transfer the run does not make)."""
+    plan = transport_plan(cfg, moe, [0], delta=False, m2n=m2n)
+    if plan.engine == "mrl_nccl":
+        return plan.why
+    return ("nccl: vLLM's broadcast from rank 0 (nccl_m2n would carry this layout and nccl-extensions is "
+            "installed, but megatron-rl does not drive nccl_m2n yet)")

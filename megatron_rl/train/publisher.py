@@ -23,7 +23,7 @@ from ..config.schema import RecipeConfig
 from ..megatron.devices import compute_device, from_rank0, wait_for_rank0
 from ..rollout.client import RolloutClient
 from ..rollout.supervisor import ProbeExpectation, ServerLink, ServerSupervisor
-from ..send_plan import transport_plan
+from ..send_plan import nccl_in_force
 from ..sync import SyncReport, Transport, make_transport
 from ..sync import verify as verification
 from ..sync.diagnose import Diagnosis, diagnose_sync
@@ -97,8 +97,9 @@ class WeightPublisher:
             self.transport, self.links = make_transport(r.weight_transfer, servers, sync_root,
                                                         r.sync_bucket_mb << 20, delta=delta,
                                                         dense_every=r.sync_dense_every)
-            if r.weight_transfer == "nccl":     # which vLLM engine, and why not nccl_m2n (send_plan.py)
-                print(f"[rollout] weight sync: {transport_plan(self.cfg, True, [0], delta=False).why}", flush=True)
+            if r.weight_transfer == "nccl":     # the engine in force, and why not nccl_m2n (send_plan.py);
+                # `moe` only matters at EP > 1, which only an MoE model has
+                print(f"[rollout] weight sync: {nccl_in_force(self.cfg, True)}", flush=True)
         if self.cfg.lora.base_quantization != "none":
             for link in self.links:
                 if isinstance(link, ShmLink):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import load_recipe
-from megatron_rl.send_plan import m2n_refusal, node_parts, parts, rank_coords, transport_plan
+from megatron_rl.send_plan import m2n_refusal, nccl_in_force, node_parts, parts, rank_coords, transport_plan
 from megatron_rl.topology import recipe_shm_senders
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,6 +122,9 @@ def test_m2n_where_one_mesh_expresses_the_trainer() -> None:
     cfg.rollout, cfg.parallelism = rollout, par
     assert m2n_refusal(cfg, moe=True) is None
     assert transport_plan(cfg, True, [0], delta=False, m2n=True).engine == "nccl_m2n"
+    # ...but the run broadcasts from rank 0 (nccl_m2n is not driven yet), and its start-up line says so
+    assert nccl_in_force(cfg, True, m2n=True).startswith("nccl: vLLM's broadcast from rank 0 (nccl_m2n would")
+    assert "not importable" in nccl_in_force(cfg, True, m2n=False)
     cfg.parallelism = par.__class__(**{**par.__dict__, "expert_model_parallel_size": 8})
     assert "EP 8" in (m2n_refusal(cfg, moe=True) or "")
     cfg.parallelism = par.__class__(**{**par.__dict__, "pipeline_model_parallel_size": 2})
