@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
-from .logprobs import DEFAULT_CHUNK_BYTES, LogProbOutput, _backward_chunk, _forward_chunk, _tp_rank_world
+from .logprobs import (
+    DEFAULT_CHUNK_BYTES, LogProbOutput, _backward_chunk, _forward_chunk, _forward_rows, _tp_rank_world,
+)
 
 
 def default_chunk_rows(local_vocab: int) -> int:
@@ -50,6 +51,15 @@ def _add_weight_grad(acc: Tensor, grad_logits: Tensor, hidden: Tensor) -> None:
         acc[s:s + tile].add_(grad_logits[:, s:s + tile].t() @ hidden)
 
 
+def _chunk_buffers(hidden: Tensor, weight: Tensor, chunk_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The two ``[chunk, vocab/TP]`` buffers every chunk reuses: the logits (weight's dtype) and
+    ``exp``'s output (compute dtype). Reused rather than allocated per chunk: on the CPU a fresh
+    allocation this large is page-faulted in on every chunk, a cost of the order of ``exp`` itself."""
+    rows = min(chunk_size, hidden.shape[0])
+    return (hidden.new_empty(rows, weight.shape[0], dtype=weight.dtype),
+            hidden.new_empty(rows, weight.shape[0], dtype=dtype))
+
+
 class _FusedHead(torch.autograd.Function):
     """hidden, weight → (log p_target, entropy), chunked over rows, recomputing in backward."""
 
@@ -59,18 +69,15 @@ class _FusedHead(torch.autograd.Function):
         group: dist.ProcessGroup | None, chunk_size: int, with_entropy: bool, into_main_grad: bool,
     ) -> tuple[Tensor, Tensor]:
         dtype = torch.promote_types(weight.dtype, torch.float32)
-        n = hidden.shape[0]
-        logp = hidden.new_empty(n, dtype=dtype)
-        lse = hidden.new_empty(n, dtype=dtype)
-        entropy = hidden.new_zeros(n, dtype=dtype)
-        for s in range(0, n, chunk_size):
-            rows = slice(s, s + chunk_size)
-            logits = F.linear(hidden[rows], weight)
-            lp, ls, ent = _forward_chunk(logits, target[rows], vocab_start, temperature, group, with_entropy, dtype)
-            del logits
-            logp[rows], lse[rows] = lp, ls
-            if ent is not None:
-                entropy[rows] = ent
+        buf, scratch = _chunk_buffers(hidden, weight, chunk_size, dtype)
+
+        def chunk(rows: slice) -> tuple[Tensor, Tensor, Tensor | None]:
+            logits = torch.matmul(hidden[rows], weight.t(), out=buf[:hidden[rows].shape[0]])
+            return _forward_chunk(logits, target[rows], vocab_start, temperature, group, with_entropy, dtype,
+                                  own_chunk=True, scratch=scratch)
+
+        logp, lse, entropy = _forward_rows(hidden.shape[0], chunk_size, hidden, dtype, chunk)
+        del buf, scratch
         ctx.save_for_backward(hidden, weight, target, lse, entropy)
         ctx.args = (vocab_start, temperature, chunk_size, with_entropy, dtype, into_main_grad)
         ctx.set_materialize_grads(False)
@@ -91,22 +98,22 @@ class _FusedHead(torch.autograd.Function):
         main_grad = getattr(weight, "main_grad", None) if into_main_grad else None
         acc = None if not need_w else main_grad if main_grad is not None else \
             torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        buf, scratch = _chunk_buffers(hidden, weight, chunk_size, dtype)
         for s in range(0, hidden.shape[0], chunk_size):
             rows = slice(s, s + chunk_size)
             h = hidden[rows]
-            logits = F.linear(h, weight)
+            logits = torch.matmul(h, weight.t(), out=buf[:h.shape[0]])
             _backward_chunk(
                 logits, target[rows], vocab_start, temperature, lse[rows],
                 entropy[rows] if grad_entropy is not None else None,
                 None if grad_logp is None else grad_logp[rows].to(dtype),
                 None if grad_entropy is None else grad_entropy[rows].to(dtype),
-                logits,     # the gradient overwrites the recomputed logits: one chunk buffer fewer
+                logits, scratch,    # the gradient overwrites the recomputed logits: one chunk buffer fewer
             )
             if grad_h is not None:
                 torch.matmul(logits, weight, out=grad_h[rows])
             if acc is not None:
                 _add_weight_grad(acc, logits, h)
-            del logits
         return (grad_h, _weight_grad(weight, acc, main_grad)) + none
 
 

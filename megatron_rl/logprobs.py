@@ -33,6 +33,7 @@ for the rest of the process (with a warning).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -73,14 +74,23 @@ def _target_index(target: Tensor, vocab_start: int, local_vocab: int) -> tuple[T
 def _forward_chunk(
     chunk: Tensor, target: Tensor, vocab_start: int, temperature: float,
     group: dist.ProcessGroup | None, with_entropy: bool, dtype: torch.dtype,
+    own_chunk: bool = False, scratch: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(log p_target, log-sum-exp, entropy) for one chunk of rows."""
-    z = _tempered(chunk, temperature, dtype)
+    """(log p_target, log-sum-exp, entropy) for one chunk of rows.
+
+    ``own_chunk``: the chunk is the caller's scratch (the fused head's recomputed logits), so a
+    compute-dtype chunk is tempered in place instead of copied. ``scratch``: a reused buffer of at
+    least the chunk's rows for ``exp`` (a fresh CPU allocation this large costs page faults on every
+    chunk, more than the ``exp`` itself)."""
+    if own_chunk and chunk.dtype == dtype:
+        z = chunk if temperature == 1.0 else chunk.div_(temperature)
+    else:
+        z = _tempered(chunk, temperature, dtype)
     row_max = _all_reduce(z.amax(dim=-1), dist.ReduceOp.MAX, group)
     z.sub_(row_max.unsqueeze(-1))
     index, owned = _target_index(target, vocab_start, z.shape[-1])
     target_z = torch.where(owned, z.gather(-1, index.unsqueeze(-1)).squeeze(-1), 0.0)
-    e = z.exp()
+    e = z.exp() if scratch is None else torch.exp(z, out=scratch[:z.shape[0]])
     sum_exp = e.sum(dim=-1)
     # 0·(−inf) from −inf logits (masked vocabulary) is NaN; such entries contribute 0.
     e_dot_z = e.mul_(z).nan_to_num_(nan=0.0).sum(dim=-1) if with_entropy else torch.zeros_like(sum_exp)
@@ -91,30 +101,53 @@ def _forward_chunk(
     return logp, row_max + log_sum, entropy
 
 
+ChunkFn = Callable[[slice], "tuple[Tensor, Tensor, Tensor | None]"]
+
+
+def _forward_rows(n: int, chunk_size: int, like: Tensor, dtype: torch.dtype, chunk_fn: ChunkFn) -> tuple[Tensor, ...]:
+    """(log p, log-sum-exp, entropy) of ``n`` rows, ``chunk_fn(rows)`` giving each chunk's (the loop
+    both the chunked path and the fused head run)."""
+    logp = like.new_empty(n, dtype=dtype)
+    lse = like.new_empty(n, dtype=dtype)
+    entropy = like.new_zeros(n, dtype=dtype)
+    for s in range(0, n, chunk_size):
+        rows = slice(s, s + chunk_size)
+        lp, ls, ent = chunk_fn(rows)
+        logp[rows], lse[rows] = lp, ls
+        if ent is not None:
+            entropy[rows] = ent
+    return logp, lse, entropy
+
+
 def _backward_chunk(
     chunk: Tensor, target: Tensor, vocab_start: int, temperature: float, lse: Tensor,
     entropy: Tensor | None, grad_logp: Tensor | None, grad_entropy: Tensor | None, out: Tensor,
+    scratch: Tensor | None = None,
 ) -> None:
     """Write the gradient w.r.t. one chunk of raw logits into ``out``, recomputing the softmax.
 
     When ``out`` already has the compute dtype it doubles as the work buffer, so
-    float32 logits need a single chunk-sized temporary (``p``) in backward.
+    float32 logits need a single chunk-sized temporary (``p``, in ``scratch`` when given: a reused
+    buffer of at least the chunk's rows) in backward. The signs and ``1/T`` are folded into per-row
+    factors, so each [chunk, vocab/TP] pass does one thing the gradient needs.
     """
     dtype = lse.dtype
     work = out if out.dtype == dtype else torch.empty(out.shape, dtype=dtype, device=out.device)
-    log_p = work.copy_(chunk).div_(temperature).sub_(lse.unsqueeze(-1))
-    p = log_p.exp()
+    if work.data_ptr() != chunk.data_ptr():
+        work.copy_(chunk)
+    log_p = (work if temperature == 1.0 else work.div_(temperature)).sub_(lse.unsqueeze(-1))
+    p = log_p.exp() if scratch is None else torch.exp(log_p, out=scratch[:log_p.shape[0]])
     g_logp = grad_logp if grad_logp is not None else torch.zeros_like(lse)
     if grad_entropy is not None and entropy is not None:
-        # −p·(g_logp + g_H·(log p + H)); NaN only arises as 0·(−inf) for −inf logits.
-        log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
-        work = log_p.add_(g_logp.unsqueeze(-1)).mul_(p).neg_().nan_to_num_(nan=0.0)
+        # −p·(g_logp + g_H·(log p + H))/T = p·(a·log p + b); NaN only arises as 0·(−inf) for −inf logits.
+        a = grad_entropy.div(-temperature).unsqueeze(-1)
+        b = (g_logp + grad_entropy * entropy).div_(-temperature).unsqueeze(-1)
+        work = log_p.mul_(a).add_(b).mul_(p).nan_to_num_(nan=0.0)
     else:
-        work = torch.mul(p, -g_logp.unsqueeze(-1), out=log_p)
+        work = torch.mul(p, g_logp.div(-temperature).unsqueeze(-1), out=log_p)
     del p
     index, owned = _target_index(target, vocab_start, work.shape[-1])
-    work.scatter_add_(-1, index.unsqueeze(-1), torch.where(owned, g_logp, 0.0).unsqueeze(-1))
-    work.div_(temperature)
+    work.scatter_add_(-1, index.unsqueeze(-1), torch.where(owned, g_logp / temperature, 0.0).unsqueeze(-1))
     if work.data_ptr() != out.data_ptr():
         out.copy_(work)
 
@@ -128,18 +161,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         group: dist.ProcessGroup | None, chunk_size: int, with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        n = logits.shape[0]
-        logp = logits.new_empty(n, dtype=dtype)
-        lse = logits.new_empty(n, dtype=dtype)
-        entropy = logits.new_zeros(n, dtype=dtype)
-        for s in range(0, n, chunk_size):
-            rows = slice(s, s + chunk_size)
-            lp, ls, ent = _forward_chunk(
-                logits[rows], target[rows], vocab_start, temperature, group, with_entropy, dtype
-            )
-            logp[rows], lse[rows] = lp, ls
-            if ent is not None:
-                entropy[rows] = ent
+        logp, lse, entropy = _forward_rows(logits.shape[0], chunk_size, logits, dtype, lambda rows: _forward_chunk(
+            logits[rows], target[rows], vocab_start, temperature, group, with_entropy, dtype))
         ctx.save_for_backward(logits, target, lse, entropy)
         ctx.args = (vocab_start, temperature, chunk_size, with_entropy, dtype)
         ctx.set_materialize_grads(False)
@@ -155,6 +178,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         if grad_logp is None and (grad_entropy is None or not with_entropy):
             return (None,) * 7
         grad = torch.empty_like(logits)
+        scratch = logits.new_empty(min(chunk_size, logits.shape[0]), logits.shape[1], dtype=dtype)
         for s in range(0, logits.shape[0], chunk_size):
             rows = slice(s, s + chunk_size)
             _backward_chunk(
@@ -162,7 +186,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 entropy[rows] if with_entropy else None,
                 None if grad_logp is None else grad_logp[rows],
                 None if grad_entropy is None or not with_entropy else grad_entropy[rows].to(dtype),
-                grad[rows],
+                grad[rows], scratch,
             )
         return grad, None, None, None, None, None, None
 
