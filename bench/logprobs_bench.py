@@ -12,6 +12,12 @@ RSS follows live tensors. Usage:
 
     python bench/logprobs_bench.py [--tokens 4096] [--vocab 151936] [--chunk-size 0]
 
+A variant that cannot fit in the available memory is skipped with its estimated peak extra
+(``_FOOTPRINT`` × the logits' bytes, plus autograd's weight gradient under ``--fused``), marked
+``"estimated": true``; the fused head's memory ratio to it is then given against that estimate.
+``--tokens-list 4096,32768`` runs several rows; ``--variants fused`` (or ``fused_fwd_bwd``, ...)
+runs a subset; ``--time-limit S`` stops a variant after S seconds (reported as timed out).
+
 ``--fused [--hidden 4096]``: every variant starts from hidden states ``[tokens, hidden]`` and an
 output weight ``[vocab, hidden]``: naive and chunked compute the logits with the output layer's GEMM
 first, the fused head (`fused_head.py`) never does. The weight has a preallocated float32
@@ -128,21 +134,43 @@ def run_head_variant(variant: str, tokens: int, vocab: int, hidden: int, chunk_s
     return {"peak_extra_bytes": _rss_peak_bytes() - baseline, "seconds": seconds}
 
 
-def _spawn(variant: str, args: argparse.Namespace) -> dict[str, float | str]:
+def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     import psutil
 
-    need = _FOOTPRINT[variant] * args.tokens * args.vocab * 4
+    extra = _FOOTPRINT[variant] * args.tokens * args.vocab * 4
+    if variant.endswith("fwd_bwd") and variant.startswith("head_") and "fused" not in variant:
+        extra += args.vocab * args.hidden * 4      # autograd's weight gradient, before DDP's hook frees it
+    need = extra
     if variant.startswith("head_"):     # weight, main_grad, a weight gradient, chunk temporaries
         need += 3 * args.vocab * args.hidden * 4 + 2**30
+    if variant.removeprefix("head_") not in args.variants:
+        return {"not_run": "not in --variants"}
     if psutil.virtual_memory().available < need * 1.2:
-        return {"skipped": f"needs ~{need / 2**30:.1f} GiB, not available"}
+        return {"skipped": f"needs ~{need / 2**30:.1f} GiB, not available",
+                "estimated_peak_extra_bytes": int(extra), "estimated": True}
     cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens),
            "--vocab", str(args.vocab), "--chunk-size", str(args.chunk_size), "--hidden", str(args.hidden)]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
+                              timeout=args.time_limit or None)
+    except subprocess.TimeoutExpired:
+        return {"timed_out_after_s": args.time_limit}
     if done.returncode != 0:
         return {"failed": done.stderr.strip()[-500:] or f"exit code {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _variant_names(spec: str) -> set[str]:
+    """``--variants``: full names (``fused_fwd_bwd``) or a path for both modes (``fused``)."""
+    known = {v.removeprefix("head_") for v in VARIANTS + HEAD_VARIANTS}
+    names: set[str] = set()
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        expanded = {f"{item}_fwd", f"{item}_fwd_bwd"} if item in ("naive", "chunked", "fused") else {item}
+        if not expanded <= known:
+            raise SystemExit(f"--variants: unknown {item!r}; allowed: naive, chunked, fused or one of {sorted(known)}")
+        names |= expanded
+    return names or known
 
 
 def main() -> None:
@@ -153,8 +181,13 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true", help="from hidden states: naive, chunked and fused head")
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size (--fused)")
     parser.add_argument("--tokens-list", type=str, default="", help="--fused: comma-separated token counts")
+    parser.add_argument("--variants", type=str, default="",
+                        help="comma-separated subset: naive, chunked, fused (both modes) or e.g. fused_fwd_bwd")
+    parser.add_argument("--time-limit", type=float, default=0,
+                        help="seconds per variant (0 = none); a variant past it is reported as timed out")
     parser.add_argument("--child", choices=VARIANTS + HEAD_VARIANTS)
     args = parser.parse_args()
+    args.variants = _variant_names(args.variants)
     if args.child:
         run = run_head_variant(args.child, args.tokens, args.vocab, args.hidden, args.chunk_size) \
             if args.child.startswith("head_") else run_variant(args.child, args.tokens, args.vocab, args.chunk_size)
@@ -168,6 +201,7 @@ def main() -> None:
               "rows": [_fused_row(argparse.Namespace(**{**vars(args), "tokens": t})) for t in rows]},
              started, None)
         return
+    args.variants |= set(VARIANTS)   # the logits-only comparison always runs all four
     results = {v: _spawn(v, args) for v in VARIANTS}
     report: dict[str, object] = {
         "tokens": args.tokens, "vocab": args.vocab, "chunk_size": args.chunk_size,
@@ -189,9 +223,14 @@ def _fused_row(args: argparse.Namespace) -> dict[str, Any]:
         fused = results[f"fused_{mode}"]
         for other in ("naive", "chunked"):
             base = results[f"{other}_{mode}"]
-            if "peak_extra_bytes" in fused and "peak_extra_bytes" in base:
+            if "peak_extra_bytes" not in fused:
+                continue
+            if "peak_extra_bytes" in base:
                 row[f"fused_vs_{other}_{mode}"] = {"memory": fused["peak_extra_bytes"] / base["peak_extra_bytes"],
                                                    "time": fused["seconds"] / base["seconds"]}
+            elif "estimated_peak_extra_bytes" in base:   # skipped for memory: against its estimated peak
+                row[f"fused_vs_{other}_{mode}"] = {
+                    "memory": fused["peak_extra_bytes"] / base["estimated_peak_extra_bytes"], "estimated": True}
     return row
 
 

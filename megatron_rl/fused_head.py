@@ -29,7 +29,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .logprobs import (
-    DEFAULT_CHUNK_BYTES, LogProbOutput, _backward_chunk, _forward_chunk, _forward_rows, _tp_rank_world,
+    DEFAULT_CHUNK_BYTES,
+    LogProbOutput,
+    _backward_chunk,
+    _forward_chunk,
+    _forward_rows,
+    _tp_rank_world,
 )
 
 
@@ -77,7 +82,6 @@ class _FusedHead(torch.autograd.Function):
                                   own_chunk=True, scratch=scratch)
 
         logp, lse, entropy = _forward_rows(hidden.shape[0], chunk_size, hidden, dtype, chunk)
-        del buf, scratch
         ctx.save_for_backward(hidden, weight, target, lse, entropy)
         ctx.args = (vocab_start, temperature, chunk_size, with_entropy, dtype, into_main_grad)
         ctx.set_materialize_grads(False)
