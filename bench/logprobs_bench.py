@@ -143,11 +143,11 @@ def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     need = extra
     if variant.startswith("head_"):     # weight, main_grad, a weight gradient, chunk temporaries
         need += 3 * args.vocab * args.hidden * 4 + 2**30
-    if variant.removeprefix("head_") not in args.variants:
-        return {"not_run": "not in --variants"}
     if psutil.virtual_memory().available < need * 1.2:
         return {"skipped": f"needs ~{need / 2**30:.1f} GiB, not available",
                 "estimated_peak_extra_bytes": int(extra), "estimated": True}
+    if variant.removeprefix("head_") not in args.variants:
+        return {"not_run": "not in --variants"}
     cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens),
            "--vocab", str(args.vocab), "--chunk-size", str(args.chunk_size), "--hidden", str(args.hidden)]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
