@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import resource
 import shutil
@@ -394,6 +395,14 @@ class _Bf16Server(RolloutServer):
         super().__init__(model, run_dir, dataclasses.replace(cfg, dtype="bfloat16"), **kwargs)
 
 
+class _TimedWithStats(TimedTransport):
+    """`TimedTransport` with the round's `stats` (`sync/bytes`, …) for `sync_weights` to report."""
+
+    @property
+    def stats(self) -> Any:
+        return self.inner.stats
+
+
 class _Digesting:
     """The transport, checksumming what the trainer hands it (the delta policy left alone)."""
 
@@ -430,6 +439,7 @@ def bench_delta(work: Path, repeats: int, bucket_bytes: int) -> dict[str, Any]:
     from megatron_rl.megatron.actor import Training
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.sync.diagnose import compare
+    from megatron_rl.sync.routes import one_result
     from tests.helpers.rollout import start_server, tiny_model_with_tokenizer
     from tests.mp.layouts_worker import make_batch
 
@@ -455,7 +465,7 @@ def bench_delta(work: Path, repeats: int, bucket_bytes: int) -> dict[str, Any]:
     server = start_server(model_dir, work / "delta" / "run", server_cls=_Bf16Server)
     delta = SharedSegmentTransport([server], segment_bytes=bucket_bytes, delta="on", dense_every=10**6)
     dense = SharedSegmentTransport([server], segment_bytes=bucket_bytes)
-    version, pairs = 0, []
+    version, pairs, phases = 0, [], []
 
     def sync(t: Any) -> Any:
         nonlocal version
@@ -464,14 +474,29 @@ def bench_delta(work: Path, repeats: int, bucket_bytes: int) -> dict[str, Any]:
         assert report is not None and report.sent is not None
         return report
 
+    def timed_sync(t: SharedSegmentTransport) -> tuple[Any, dict[str, float]]:
+        """One sync with its phases: the trainer's send (delta: compare and patch writes; dense:
+        segment writes) and finish (the servers' load, then a delta's patches into the segments),
+        a delta round's own split of them, and the worker's (`engines.shm.PHASES`)."""
+        times: dict[str, float] = defaultdict(float)
+        report = sync(_TimedWithStats(t, times))
+        phases = {"send_s": times["send_bucket"], "finish_s": times["finish"]}
+        if not t.stats.dense:
+            phases.update({f"trainer_{k}": v for k, v in t.stats.seconds.items()})
+        loaded = one_result(server.rpc("mrl_loaded"))
+        phases.update({f"server_{k}": v for k, v in loaded.get("seconds", {}).items()})
+        return report, phases
+
     try:
         sync(delta), sync(dense)                                   # the first rounds: whole
         for step in range(repeats):
             train(step)
-            d, w = sync(delta), sync(dense)
+            (d, d_phases), (w, w_phases) = timed_sync(delta), timed_sync(dense)
             assert not d.sent["dense"] and w.sent["dense"], (d.sent, w.sent)
             pairs.append({"delta_s": d.seconds, "dense_s": w.seconds, "delta_bytes": d.sent["bytes"],
                           "dense_bytes": w.sent["bytes"], "changed_frac": d.sent["changed_frac"]})
+            phases.append({**{f"delta_{k}": v for k, v in d_phases.items()},
+                           **{f"dense_{k}": v for k, v in w_phases.items()}})
         train(repeats)
         probe = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37]] * 2
         client = RolloutClient.for_server(server)
@@ -495,10 +520,14 @@ def bench_delta(work: Path, repeats: int, bucket_bytes: int) -> dict[str, Any]:
                checks["delta"]["tensors"] == checks["dense"]["tensors"] > 0 and not checks["delta"]["dense"],
                "logprobs_equal": checks["delta"]["logprobs"] == checks["dense"]["logprobs"],
                "targets": {"bytes_ratio": 0.10, "time_ratio": 0.4}}
+    by_phase = {k: _median([p[k] for p in phases]) for k in phases[0]}
+    print(f"[sync_bench] delta phases (median s): {json.dumps({k: round(v, 3) for k, v in by_phase.items()})}",
+          file=sys.stderr, flush=True)
     print(f"[sync_bench] delta: changed {summary['changed_frac']:.4f}, bytes {summary['bytes_ratio']:.3f} of dense, "
           f"time {summary['delta_s']:.3f} s vs {summary['dense_s']:.3f} s ({summary['time_ratio']:.2f}x), "
           f"digests equal {summary['digests_equal']}", file=sys.stderr, flush=True)
-    return {"summary": summary, "pairs": pairs, "median": med, "train_step_s": step_s,
+    return {"summary": summary, "pairs": pairs, "median": med, "phases_median_s": by_phase, "phases": phases,
+            "train_step_s": step_s,
             "model": {"fields": DELTA, "parameters": hf_param_count(DELTA), "bytes": 2 * hf_param_count(DELTA),
                       "dtype": "bfloat16"},
             "optimizer": {"lr": trainer.lr, "weight_decay": trainer.weight_decay, "adam_beta2": trainer.adam_beta2,

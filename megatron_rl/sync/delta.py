@@ -24,6 +24,7 @@ place, as a dense round does).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -83,6 +84,9 @@ class DeltaStats:
     changed: int = 0
     elements: int = 0
     dense: bool = True
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("compare_s", "write_s", "apply_s"), 0.0))
+    """The trainer's side of a delta round by phase (not a metric: `bench/sync_bench.py --delta`
+    reports it): comparing with the segments, writing the patches, applying them after the load."""
 
     def report(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "changed_frac": self.changed / max(1, self.elements), "dense": int(self.dense)}
@@ -147,14 +151,25 @@ class DeltaRound:
         return k < len(self.base) and self.base[k] == entry
 
     def add(self, t: torch.Tensor, entry: list[Any], area: PatchArea) -> None:
-        name, dtype, shape, segment, offset = entry
+        segment, offset = entry[3], entry[4]
         host = t.detach().to("cpu").contiguous().reshape(-1)        # the trainer's copy, leaving its GPU
         old = self.segments[segment][offset:offset + t.nbytes].view(t.dtype)
+        start = time.perf_counter()
         where = changed(host, old)
+        self.stats.seconds["compare_s"] += time.perf_counter() - start
         self.stats.changed += where.numel()
         self.stats.elements += host.numel()
         if not where.numel():
             return
+        start = time.perf_counter()
+        try:
+            self._write(t, host, old, where, entry, area)
+        finally:
+            self.stats.seconds["write_s"] += time.perf_counter() - start
+
+    def _write(self, t: torch.Tensor, host: torch.Tensor, old: torch.Tensor, where: torch.Tensor,
+               entry: list[Any], area: PatchArea) -> None:
+        name, dtype, shape = entry[:3]
         sparse_ok = t.dtype.is_floating_point and not whole_only(name)     # NaN marks, `copy_` loaders
         if not sparse_ok or where.numel() > break_even(t.dtype, host.numel()) * host.numel():
             values_at = area.write(host.view(torch.uint8))
@@ -174,9 +189,11 @@ class DeltaRound:
     def apply(self) -> None:
         """The patches into the segments, which then hold the new version (after the servers loaded:
         they read the previous one there)."""
+        start = time.perf_counter()
         for old, idx, values in self.staged:
             if idx is None:
                 old.copy_(values)
             else:
                 old[idx.long()] = values
         self.staged = []
+        self.stats.seconds["apply_s"] += time.perf_counter() - start

@@ -181,3 +181,18 @@ def test_a_short_convolution_always_goes_whole() -> None:
         assert _digests(server.loaded) == _digests(v2)
     finally:
         t.close()
+
+
+def test_a_delta_round_times_its_trainer_phases_outside_the_metrics() -> None:
+    server = EngineRecorder("a")
+    t = SharedSegmentTransport([server], None, segment_bytes=8 << 10, delta="auto", dense_every=10)
+    try:
+        v1 = _model(0)
+        _sync(t, 1, v1)
+        assert t.stats.dense and not any(t.stats.seconds.values())     # a dense round: no delta phases
+        _sync(t, 2, _step(v1, 0.03, 1))
+        assert not t.stats.dense and set(t.stats.seconds) == {"compare_s", "write_s", "apply_s"}
+        assert all(s > 0 for s in t.stats.seconds.values()), t.stats.seconds
+        assert set(t.stats.report()) == {"bytes", "changed_frac", "dense"}    # the metric keys unchanged
+    finally:
+        t.close()

@@ -21,7 +21,10 @@ the layer-wise reload (that loader's contract, as vLLM's `sparse_nccl` engine do
 worker into a host copy of the checkpoint tensor, which the layer-wise reload then loads like a
 dense update, because vLLM re-packs every CPU linear weight into a oneDNN (or sgl) handle and
 leaves the parameter empty (`vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm`,
-`remove_weight`), so there is nothing in place to patch.
+`remove_weight`), so there is nothing in place to patch. On CPU a delta round therefore costs
+at least a dense one on the server (every changed tensor is reloaded whole, and at 2 % of the
+elements changed uniformly every tensor is), plus the patch staging (`PHASES`; bench/sync_bench.py
+--delta prints them): it saves the trainer's writes and the bytes, not the server's load.
 
 Registered by the worker extension's import (`engines.register`, before the model loads); the
 server runs with `--weight-transfer-config '{"backend":"mrl_shm"}'`.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -71,6 +75,14 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     then the previous version."""
 
 
+PHASES = ("map_s", "patch_s", "load_s", "finalize_s", "repack_s")
+"""A round's time on a worker by phase (`LOADED["seconds"]`, read by `bench/sync_bench.py --delta`):
+mapping the files; staging the patches through vLLM's patch loader (CPU: into host copies);
+`load_weights` (the layer-wise reload, the patch staging not counted; GPU delta: the in-place
+patches); `finalize_layerwise_reload` (each layer re-processed and copied into its kernel tensors);
+re-packing the CPU fused-MoE experts (ours: vLLM 0.32 skips it on an update)."""
+
+
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
@@ -91,7 +103,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def start_weight_update(self) -> None:
         self.reloading = False
-        self.round = {"version": None, "tensors": 0, "names": [], "patched": 0}
+        self.round = {"version": None, "tensors": 0, "names": [], "patched": 0, "seconds": dict.fromkeys(PHASES, 0.0)}
 
     def _reload(self) -> None:
         """Enter vLLM's layer-wise reload (once per round; not for a GPU delta, applied in place)."""
@@ -107,16 +119,21 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        seconds = self.round["seconds"]
+        start = time.perf_counter()
         mapped = self._map(update_info.segments + update_info.patch_segments)
         segments, patch_files = mapped[:len(update_info.segments)], mapped[len(update_info.segments):]
         patches = [checkpoint_patch(row, patch_files) for row in update_info.patches]
+        seconds["map_s"] += time.perf_counter() - start
+        start, staged = time.perf_counter(), seconds["patch_s"]
         with disable_mtp_completeness_check(), loads_recorded(self.model):
             if patches and self.device.type == "cuda":
                 patch_in_place(self.model, patches, self.device)
             else:
                 self._reload()
                 weights = views(update_info.tensors, segments)
-                cast(Any, self.model).load_weights(patched(weights, patches) if patches else weights)
+                cast(Any, self.model).load_weights(patched(weights, patches, seconds) if patches else weights)
+        seconds["load_s"] += time.perf_counter() - start - (seconds["patch_s"] - staged)
         self.round["version"] = int(update_info.version)
         self.round["tensors"] += len(update_info.tensors)
         self.round["names"] += [t[0] for t in update_info.tensors]
@@ -125,12 +142,18 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        seconds = self.round.get("seconds", dict.fromkeys(PHASES, 0.0))
+        start = time.perf_counter()
         if self.reloading:
             finalize_layerwise_reload(self.model, self.model_config)
+        seconds["finalize_s"] = time.perf_counter() - start
         if not self.round.get("tensors"):
             return      # every layer kept its packed tensors: packing them again would corrupt them
+        start = time.perf_counter()
         repacked = repack_cpu_moe(self.model, self.round["names"]) if self.reloading else 0
-        LOADED.update(version=self.round["version"], tensors=self.round["tensors"], moe_layers_repacked=repacked)
+        seconds["repack_s"] = time.perf_counter() - start
+        LOADED.update(version=self.round["version"], tensors=self.round["tensors"], moe_layers_repacked=repacked,
+                      seconds=dict(seconds))
         if self.round["patched"]:
             LOADED["patched"] = self.round["patched"]
         else:
@@ -208,9 +231,11 @@ class _CheckpointTensors(torch.nn.Module):
         return set(self.held)
 
 
-def patched(weights: Iterator[tuple[str, torch.Tensor]], patches: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def patched(weights: Iterator[tuple[str, torch.Tensor]], patches: list[Any],
+            seconds: dict[str, float] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """CPU worker: every tensor of the previous version (`weights`), those with a patch as a copy
-    with the patch applied by vLLM's patch loader; a whole patch as its values."""
+    with the patch applied by vLLM's patch loader; a whole patch as its values. The time spent
+    staging the patches is added to `seconds["patch_s"]`."""
     from vllm.model_executor.model_loader.checkpoint_weight_patch import load_checkpoint_weight_patches
 
     by_name = {p.name: p for p in patches}
@@ -221,8 +246,11 @@ def patched(weights: Iterator[tuple[str, torch.Tensor]], patches: list[Any]) -> 
         elif p.indices is None:
             yield name, p.values.view(p.shape)
         else:
+            start = time.perf_counter()
             held = {name: base.clone()}
             load_checkpoint_weight_patches(_CheckpointTensors(held), [p])
+            if seconds is not None:
+                seconds["patch_s"] = seconds.get("patch_s", 0.0) + time.perf_counter() - start
             yield name, held[name]
     if by_name:
         raise ValueError(f"mrl_shm: patches for tensors the update does not hold: {sorted(by_name)[:5]}")
