@@ -28,6 +28,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "rollout.enforce_eager", "rollout.host", "rollout.port", "rollout.max_concurrency",
     "rollout.request_timeout_s", "rollout.max_retries", "rollout.startup_timeout_s", "rollout.hang_timeout_s",
     "rollout.sync_bucket_mb", "rollout.weight_transfer", "rollout.verify_every", "rollout.verify_tolerance",
+    "rollout.verify_failures_in_row",
     "rollout.cpu_kvcache_gb", "rollout.routing_replay_diagnostics",
 )
 """Dotted keys (a section name covers all its keys) that may differ between a run dir's recipe

@@ -226,6 +226,11 @@ class RolloutConfig:
     """With delta sync, every N-th version is sent whole all the same (a safety net; 1 = always)."""
     verify_every: int = spec(1, ge=0)
     """Verify the server's log-probs against the trainer's every N syncs (0 = never)."""
+    verify_failures_in_row: int = spec(3, ge=1)
+    """Failed verifications in a row that stop the run when the checksum diagnosis proves every
+    tensor arrived intact (`sync/diagnose.py`): one such failure is a bf16 excursion (MoE near-ties;
+    a p90 over ≤ 192 sampled tokens) and the run goes on with a warning; this many in a row are the
+    drift the gate exists to catch (audit 3 #6). A tensor that differs stops the run at once."""
     verify_tolerance: float | None = spec(None, gt=0.0)
     """Bound on the mean |Δ log-prob| of the post-sync verification, fixed; None = self-calibrated:
     the noise floor measured at start-up on tokens the server sampled, with the same weights on both

