@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from .routes import EngineServer, on_every_server
 
@@ -118,8 +119,8 @@ class Checked:
 
 def check_servers(servers: Sequence[EngineServer], deadline_s: float) -> Checked:
     """Rank 0: /weight_checker on every server at once (`on_every_server`)."""
-    answers = on_every_server(servers, [lambda s=s: server_checksums(s) for s in servers],
-                              "vLLM's /weight_checker", deadline_s)
+    calls = [partial(server_checksums, s) for s in servers]
+    answers = on_every_server(servers, calls, "vLLM's /weight_checker", deadline_s)
     out = Checked()
     for server, sums in zip(servers, answers):
         out.replicas.update(by_engine(server.base_url, sums))

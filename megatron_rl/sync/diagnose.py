@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..megatron.devices import from_rank0
-from ..rollout.server import CONTROL_TIMEOUT_S
 from ..rollout.engines.digest import Digest, tensor_digest
+from ..rollout.server import CONTROL_TIMEOUT_S
 from ..weights.families import by_family
 from . import Transport, checker
 from .routes import EngineServer

@@ -37,6 +37,7 @@ from .fleet import RolloutFleet, node_position
 from .policy import Policy
 from .run import Stop
 
+
 class WeightPublisher:
     """The actor's weights on every server of `fleet`: transports, links, version, probe and gate."""
 

@@ -62,10 +62,9 @@ def test_gpu_tests_switch_tf32_off_and_say_so() -> None:
 def _fleet_with_gate_results(diagnoses: list[Any], over_gate: list[bool]) -> Any:
     """A WeightPublisher whose probe statistics and diagnoses are given (the collective parts are the
     servers' and the gather's; what is tested is the decision after a failed gate)."""
+    from megatron_rl.config.schema import RecipeConfig
     from megatron_rl.sync import verify as verification
     from megatron_rl.train.publisher import WeightPublisher
-
-    from megatron_rl.config.schema import RecipeConfig
 
     fleet = object.__new__(WeightPublisher)
     fleet.rank0, fleet.intact_misses = True, 0
@@ -86,9 +85,9 @@ def test_a_failed_gate_with_every_tensor_intact_warns_and_three_in_a_row_stop(
     intact failures in a row) still stops."""
     from types import SimpleNamespace
 
+    from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.sync import verify as verification
     from megatron_rl.sync.diagnose import Diagnosis
-    from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.train.publisher import misses_after_failed_gate
     from megatron_rl.train.run import Stop
 
