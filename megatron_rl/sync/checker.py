@@ -29,9 +29,10 @@ parameter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from .routes import EngineServer, on_every_server
 
@@ -117,9 +118,15 @@ class Checked:
                 f"engines of the servers do not hold the same weights: {described(differ)}")
 
 
-def check_servers(servers: Sequence[EngineServer], deadline_s: float) -> Checked:
-    """Rank 0: /weight_checker on every server at once (`on_every_server`)."""
-    calls = [partial(server_checksums, s) for s in servers]
+def check_servers(servers: Sequence[EngineServer], deadline_s: float,
+                  supervised: Sequence[Callable[..., Any]] | None = None) -> Checked:
+    """Rank 0: /weight_checker on every server at once (`on_every_server`), each call through its
+    server's `supervised(phase, fn, server)` when given (a supervisor's `call`: a server that died
+    under it is restarted, brought back to the version, and asked again)."""
+    if supervised is None:
+        calls = [partial(server_checksums, s) for s in servers]
+    else:
+        calls = [partial(sup, "vLLM's /weight_checker", server_checksums, s) for sup, s in zip(supervised, servers)]
     answers = on_every_server(servers, calls, "vLLM's /weight_checker", deadline_s)
     out = Checked()
     for server, sums in zip(servers, answers):

@@ -221,7 +221,8 @@ class WeightPublisher:
         compare with one server of one DP engine."""
         problem = None
         if self.rank0 and len(self.fleet.servers) * self.cfg.rollout.data_parallel_size > 1:
-            problem = check_servers(self.fleet.servers, CHECKER_DEADLINE_S).message(version)
+            problem = check_servers(self.fleet.servers, CHECKER_DEADLINE_S,
+                                    [s.call for s in self.fleet.supervisors]).message(version)
         problem = from_rank0(problem)
         if problem is not None:
             raise Stop(problem)

@@ -71,6 +71,8 @@ def test_one_server_per_node_rank0_generates_syncs_and_verifies_across_both(tmp_
         assert got.get("/v1/completions", 0) >= STEPS, (server_log, got)
         assert (got.get("/pause"), got.get("/resume")) == (syncs, syncs), (server_log, got)
         assert (got.get("/sleep"), got.get("/wake_up")) == (STEPS, STEPS), (server_log, got)
+        # After each verified sync vLLM's /weight_checker compared both servers (they agreed: the run went on).
+        assert got.get("/weight_checker") == syncs, (server_log, got)
     # Each node's server reads the copy its own node's sender (rank 0, rank 1) wrote into its
     # /dev/shm: nothing goes through the run dir.
     assert "[rollout] weight sync: a sender per node, ranks 0, 1, each into its node's /dev/shm" in out[0]
