@@ -160,6 +160,7 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
     from megatron_rl.rollout.client import RolloutClient
     from megatron_rl.rollout.server import RolloutServer
     from megatron_rl.rollout.supervisor import ServerSupervisor
+    from megatron_rl.sync import verify as verification
     from megatron_rl.sync.shm import SegmentWriter, SharedSegmentTransport
     from megatron_rl.train import loop
     from megatron_rl.train.ahead import AheadRollouts
@@ -282,6 +283,16 @@ def child(recipe: str, overrides: list[str], plan: dict[int, list[str]], log_pat
         finally:
             state["in_verify"] = False
     WeightPublisher.verify = verify_marked        # type: ignore[method-assign]
+
+    server_diffs = verification.server_diffs
+
+    def server_diffs_marked(*args: Any, **kwargs: Any) -> Any:
+        state["in_verify"] = True                 # also a verification overlapped with the next rollout
+        try:
+            return server_diffs(*args, **kwargs)
+        finally:
+            state["in_verify"] = False
+    verification.server_diffs = server_diffs_marked   # looked up by the publisher at each call
 
     # The step's log-prob phase, whether or not it runs a π_old forward (on-policy steps take π_old
     # from the update's own forward and compute none).

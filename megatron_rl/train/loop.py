@@ -11,6 +11,7 @@ their order, `RunDir` the files and the checkpoints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from .fleet import RolloutFleet
 from .health import RunHealth
 from .metrics import console_line, open_metrics_log, startup_summary, step_metrics, timed
 from .policy import Policy, starting_checkpoint
-from .publisher import WeightPublisher
+from .publisher import WeightPublisher, overlaps_verification
 from .run import RunDir, Stop, StopSignals, agree_on_stop, init_process_group
 
 
@@ -64,14 +65,18 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             print(startup_summary(cfg, task, policy, fleet, schedule, start, first), flush=True)
         progress = Progress(start + 1, total)
         bad_in_row = 0
+        overlap = overlaps_verification(cfg, policy.dtype)
         rollouts.start(start + 1, publisher.version)
         for step in range(start + 1, total + 1):
-            learned = learn(cfg, task, data, policy, rollouts, step, publisher.version)
+            learned = learn(cfg, task, data, policy, rollouts, step, publisher.version,
+                            check=publisher.check if overlap else None)
             bad_in_row = bad_in_row + 1 if all(u["update_skipped"] for u in learned.updates) else 0
             if bad_in_row >= cfg.trainer.max_bad_steps_in_row:
                 raise Stop(f"{bad_in_row} steps in a row had a non-finite loss or gradient; stopping")
             with rollouts.servers():
-                published = publish(cfg, task, data, policy, publisher, step, eval_set)
+                # The last sync, and one an evaluation generates on, is verified before the step ends.
+                published = publish(cfg, task, data, policy, publisher, step, eval_set,
+                                    overlap and step < total and not _evaluates(cfg, eval_set, step))
             version = publisher.version
             rollouts.published(version)
             metrics = learned.metrics(published, version)
@@ -147,14 +152,18 @@ class Learned:
 
 
 def learn(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, rollouts: Rollouts,
-          step: int, version: int) -> Learned:
+          step: int, version: int, check: Callable[[Policy], dict[str, float]] | None = None) -> Learned:
     """The step's rollout (generated now on the servers' weights `version`, or ahead of time on a
     version at most `rollout.max_staleness` older) → rewards → old/ref log-probs → advantages →
-    `steps_per_generation` updates of policy `version` (collective; every rank returns the same)."""
+    `steps_per_generation` updates of policy `version` (collective; every rank returns the same).
+    `check` (`WeightPublisher.check`) judges the verification of the weights the rollout was
+    generated on when the last sync only started it: it raises `Stop` before any update."""
     a, r = cfg.algorithm, cfg.rollout
     timings: dict[str, float] = {}
     with timed(timings, "rollout"):
         rollout = rollouts.take(step, version)
+    with timed(timings, "verify_wait"):
+        verified = check(policy) if check is not None else {}
     groups = rollout.groups
     with timed(timings, "reward"):
         scores = score_groups(groups, task, data.decode)
@@ -167,18 +176,24 @@ def learn(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, 
     with timed(timings, "train"):
         updates = policy.update(batch, step, data.sft)
     batch = policy.with_old_from_update(batch)
-    return Learned(scored, batch, zero_variance_frac, penalty, updates, scores.task_metrics, routing, timings,
-                   rollout.metrics, rollout.order)
+    return Learned(scored, batch, zero_variance_frac, penalty, updates, {**verified, **scores.task_metrics}, routing,
+                   timings, rollout.metrics, rollout.order)
 
 
 def publish(cfg: RecipeConfig, task: LoadedTask, data: TrainData, policy: Policy, publisher: WeightPublisher,
-            step: int, eval_set: Prompts | None) -> Published:
+            step: int, eval_set: Prompts | None, overlap: bool = False) -> Published:
     """Sync the updated weights as the next version, verify them every `rollout.verify_every`
-    versions, evaluate every `evaluation.interval` steps; returns their metrics and timings (collective)."""
+    versions (with `overlap`: start the verification, which the next step's `learn` judges
+    before it trains), evaluate every `evaluation.interval` steps; returns their metrics and
+    timings (collective)."""
     timings: dict[str, float] = {}
     with timed(timings, "sync"):
-        extra = publisher.publish(policy)
-    if eval_set is not None and step % cfg.evaluation.interval == 0:
+        extra = publisher.publish(policy, overlap)
+    if eval_set is not None and _evaluates(cfg, eval_set, step):
         with timed(timings, "eval"):
             extra.update(publisher.fleet.evaluate(eval_set, task, publisher.version, data.decode))
     return Published(extra, timings)
+
+
+def _evaluates(cfg: RecipeConfig, eval_set: Prompts | None, step: int) -> bool:
+    return eval_set is not None and step % cfg.evaluation.interval == 0

@@ -12,8 +12,9 @@ collective.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +39,25 @@ from .policy import Policy
 from .run import Stop
 
 
+def overlaps_verification(cfg: RecipeConfig, dtype: torch.dtype) -> bool:
+    """Whether a sync's verification may run while the next rollout generates (`WeightPublisher.check`
+    gates the step's training on it): the synchronous loop (one version per step), servers that do
+    not sleep after the rollout (a probe request in flight when they sleep), and fp32, whose gate
+    bounds are absolute; bf16's bounds are calibrated on a probe scored alone, and one batched with
+    generation may run other kernels."""
+    r = cfg.rollout
+    return r.max_staleness == 0 and r.sleep_level is None and dtype == torch.float32
+
+
+@dataclass
+class PendingCheck:
+    """A synced version whose verification runs while the next rollout generates."""
+
+    version: int
+    server_diffs: Future[torch.Tensor] | None
+    """Rank 0: server minus trainer log-probs of the probe, in a thread; None on other ranks."""
+
+
 class WeightPublisher:
     """The actor's weights on every server of `fleet`: transports, links, version, probe and gate."""
 
@@ -58,6 +78,11 @@ class WeightPublisher:
         """Failed verification gates in a row whose diagnosis found every tensor intact."""
         self.base_sent = False
         """QLoRA: the first sync, which sends every tensor (the NF4 base dequantized), is done."""
+        self.pending: PendingCheck | None = None
+        """The last sync's verification, started by `publish(overlap=True)`, judged by `check`."""
+        self.verified: dict[str, float] = {}
+        """The metrics of the latest verification judged (the start-up one's first)."""
+        self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ transports
     def open(self) -> None:
@@ -118,6 +143,8 @@ class WeightPublisher:
                 steps.callback(self.node_sender.close)
             for link in reversed(self.links):
                 steps.callback(link.close)
+            if self._pool is not None:
+                steps.callback(self._pool.shutdown, wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ versions
     def start(self, policy: Policy, forced: TrainBatch, seq_len: int, pad: int,
@@ -134,19 +161,56 @@ class WeightPublisher:
         else:
             self.push(policy, self.version)
             self.probe, self.gate, first = self.calibrate(policy, forced, self.version, seq_len, pad)
+        self.verified = {k: v for k, v in first.items() if k.endswith("_abs_diff")}
         return first
 
-    def publish(self, policy: Policy) -> dict[str, float]:
+    def publish(self, policy: Policy, overlap: bool = False) -> dict[str, float]:
         """Collective. The updated weights to the woken servers as the next version, verified every
-        `rollout.verify_every` versions; returns the sync/* metrics."""
+        `rollout.verify_every` versions; returns the sync/* metrics. With `overlap` the verification
+        is only started (the server scores the probe while the next rollout generates): `check`
+        judges it, and the step must call `check` before it trains on that rollout."""
         assert self.probe is not None and self.gate is not None, "start() comes before the first publish"
+        assert self.pending is None, "a started verification is judged (check) before the next sync"
         self.version += 1
         self.fleet.wake()
         metrics = sync_metrics(self.push(policy, self.version))
         every = self.cfg.rollout.verify_every
         if every and self.version % every == 0:
-            metrics.update(self.verify(policy, self.probe, self.version, self.gate))
+            if overlap:
+                self.pending = self._start_verify(policy, self.probe, self.version, self.gate)
+            else:
+                metrics.update(self.verify(policy, self.probe, self.version, self.gate))
         return metrics
+
+    def _start_verify(self, policy: Policy, probe: TrainBatch, version: int,
+                      gate: verification.Gate) -> PendingCheck:
+        """Collective: the trainer's probe log-probs now; on rank 0 the servers' in a thread."""
+        trainer_lp = policy.actor.compute_logprobs(probe, temperature=1.0)
+        if not self.rank0:
+            return PendingCheck(version, None)
+        clients = self._supervised_clients(trainer_lp, probe, version, gate.limits)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        return PendingCheck(version, self._pool.submit(verification.server_diffs, trainer_lp, probe, clients))
+
+    def check(self, policy: Policy) -> dict[str, float]:
+        """Collective, before a step trains on its rollout: the verification `publish(overlap=True)`
+        started, judged as `verify` judges it (a failure raises `Stop` here, before any update uses
+        the samples of those weights). Returns the metrics of the verification of the weights the
+        rollout was generated on (with nothing pending, the latest one's, the start-up's at first)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return dict(self.verified)
+        assert self.gate is not None
+        return self.judge(policy, self._pending_stats(pending), pending.version, self.gate)
+
+    def _pending_stats(self, pending: PendingCheck) -> torch.Tensor:
+        """`_probe_stats` of a started verification (collective; every rank gets them)."""
+        stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
+        if pending.server_diffs is not None:
+            stats = verification.diff_stats(pending.server_diffs.result())
+        dist.broadcast(stats, src=0)
+        return stats
 
     def push(self, policy: Policy, version: int) -> SyncReport | None:
         """Send the actor's weights to the servers as `version` (collective; rank 0 gets the report)."""
@@ -194,12 +258,16 @@ class WeightPublisher:
         """Server log-probs of the probe vs the trainer's own (T = 1): statistics of |Δ| over the
         probe's verified tokens, gated by the run's calibrated bounds (`verification`).
         Collective: every rank returns the metrics or raises `Stop`."""
-        stats = self._probe_stats(policy, probe, version, gate.limits)
+        return self.judge(policy, self._probe_stats(policy, probe, version, gate.limits), version, gate)
+
+    def judge(self, policy: Policy, stats: torch.Tensor, version: int, gate: verification.Gate) -> dict[str, float]:
+        """Collective: `stats` of `version`'s probe through the gate; the metrics, or `Stop`."""
         problem = verification.failure(stats, gate.limits)
         if not problem:
             self.intact_misses = 0
             self.check_replicas(version)
-            return verification.as_metrics(stats)
+            self.verified = verification.as_metrics(stats)
+            return dict(self.verified)
         floor = dict(zip(verification.STATS, gate.floor))
         said = (f"weight-sync verification failed at version {version} ({policy.dtype}): {problem} "
                 "(server and trainer disagree; the start-up noise floor was mean "
@@ -213,7 +281,8 @@ class WeightPublisher:
         if self.rank0:
             print(f"[sync] warning: {said}{diagnosis.message()}; training goes on ({self.intact_misses} of "
                   f"{in_row} such failures in a row stop the run: rollout.verify_failures_in_row)", flush=True)
-        return {**verification.as_metrics(stats), "sync/verify_intact_misses": float(self.intact_misses)}
+        self.verified = {**verification.as_metrics(stats), "sync/verify_intact_misses": float(self.intact_misses)}
+        return dict(self.verified)
 
     def check_replicas(self, version: int) -> None:
         """Collective, after a verified sync: vLLM's /weight_checker on every DP engine of every
@@ -243,19 +312,26 @@ class WeightPublisher:
         trainer_lp = policy.actor.compute_logprobs(probe, temperature=1.0)      # on the CPU
         stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
         if self.rank0:
-            seqs = verification.probe_sequences(probe)
-            # What a restarted server is checked against (max |Δ|: a server restarted with other
-            # weights is off by O(1); bf16 has no max bound of its own, so 10× its p90 bound).
-            expected = ProbeExpectation(version, seqs, [
-                [float(trainer_lp[i, j]) if probe.mask[i, j] > 0 else None for j in range(len(seq) - 1)]
-                for i, seq in enumerate(seqs)], limits.max if limits.max is not None else 10 * limits.p90)
-            clients = []
-            for client, supervisor in zip(self.fleet.clients, self.fleet.supervisors):     # every server must agree
-                supervisor.expected = expected
-                clients.append(_Supervised(client, supervisor))
+            clients = self._supervised_clients(trainer_lp, probe, version, limits)
             stats = verification.diff_stats(verification.server_diffs(trainer_lp, probe, clients))
         dist.broadcast(stats, src=0)                         # a CPU tensor: gloo, also on GPU runs
         return stats
+
+    def _supervised_clients(self, trainer_lp: torch.Tensor, probe: TrainBatch, version: int,
+                            limits: verification.Limits) -> list[_Supervised]:
+        """Rank 0: every server's client through its supervisor, which checks a restarted server
+        against the trainer's probe log-probs of `version`."""
+        seqs = verification.probe_sequences(probe)
+        # What a restarted server is checked against (max |Δ|: a server restarted with other
+        # weights is off by O(1); bf16 has no max bound of its own, so 10× its p90 bound).
+        expected = ProbeExpectation(version, seqs, [
+            [float(trainer_lp[i, j]) if probe.mask[i, j] > 0 else None for j in range(len(seq) - 1)]
+            for i, seq in enumerate(seqs)], limits.max if limits.max is not None else 10 * limits.p90)
+        clients = []
+        for client, supervisor in zip(self.fleet.clients, self.fleet.supervisors):     # every server must agree
+            supervisor.expected = expected
+            clients.append(_Supervised(client, supervisor))
+        return clients
 
 
 def misses_after_failed_gate(diagnosis: Diagnosis, misses: int) -> int:
