@@ -7,10 +7,13 @@ through the tokenizer's chat template), the same reward (our task's `reward`, im
 optimizer, clip and advantage settings where TRL has them. `settings_not_equal` lists the rest.
 
 Each side runs in a process of its own, one after the other (ours first), for `--steps` steps. Per
-side: steps/s at steady state (1 / the median step time after `--warmup` steps) and with start-up
+side: steps/s at steady state (1 / the median wall time of a step after `--warmup` steps; ours:
+`time/iteration_s`, the loop included) and with start-up
 (steps / the process's wall time, imports and model load included), the mean reward of the first
 and the last 10 steps, and the median of each phase. Ours: `time/rollout` (generation on the vLLM
-server), `time/reward`, `time/logprobs`, `time/train`, `time/sync` (weight sync + verification);
+server), `time/reward`, `time/logprobs`, `time/verify_wait` (the wait for the last sync's verification,
+which ran during the rollout), `time/train`, `time/sync` (weight sync, and the verification where it is
+not overlapped), `other` (the loop's logging and checkpointing: `time/iteration_s` − `time/step`);
 TRL's: `generate` (`model.generate`), `reward`, `prepare` (all of generation, scoring and the
 log-prob forwards before the loss) and `train` (the rest of the step: forward, backward, Adam).
 
@@ -93,9 +96,11 @@ def run_ours(paths: dict[str, Path], steps: int, warmup: int, out: Path) -> dict
     if done.returncode != 0:
         return {"failed": (done.stdout + done.stderr)[-2000:]}
     rows = [json.loads(line) for line in (out / "ours" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    phases = {k[5:]: [r[k] for r in rows] for k in ("time/rollout", "time/reward", "time/logprobs", "time/train",
-                                                   "time/sync")}
-    return summarize([r["time/step"] for r in rows], [r["reward/mean"] for r in rows], phases, wall, warmup)
+    phases = {k[5:]: [r.get(k, 0.0) for r in rows] for k in ("time/rollout", "time/reward", "time/logprobs",
+                                                             "time/verify_wait", "time/train", "time/sync")}
+    phases["other"] = [r["time/iteration_s"] - r["time/step"] for r in rows]
+    # A step's wall time, the loop's logging and checkpointing included (TRL's step_s includes its own).
+    return summarize([r["time/iteration_s"] for r in rows], [r["reward/mean"] for r in rows], phases, wall, warmup)
 
 
 # ------------------------------------------------------------------------------------- TRL

@@ -11,6 +11,7 @@ their order, `RunDir` the files and the checkpoints.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
         bad_in_row = 0
         overlap = overlaps_verification(cfg, policy.dtype)
         rollouts.start(start + 1, publisher.version)
+        last_logged = time.perf_counter()
         for step in range(start + 1, total + 1):
             learned = learn(cfg, task, data, policy, rollouts, step, publisher.version,
                             check=publisher.check if overlap else None)
@@ -81,6 +83,10 @@ def train(cfg: RecipeConfig, resume: bool = False) -> Path:
             rollouts.published(version)
             metrics = learned.metrics(published, version)
             metrics.update({"data/epoch": learned.order["epoch"], "data/position": learned.order["position"]})
+            # Wall time since the last step's metrics: its phases plus the loop's own (logging,
+            # health, checkpoint), which `time/step` leaves out.
+            now = time.perf_counter()
+            metrics["time/iteration_s"], last_logged = now - last_logged, now
             collapsed = health.check(step, metrics, fleet.rank0)     # + health/*; the stop line of a dead run
             if log is not None:
                 log.log(step, metrics)
