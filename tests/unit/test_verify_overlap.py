@@ -27,6 +27,9 @@ GATE = verification.Gate((1e-7, 2e-7, 3e-7, 3e-7), verification.Limits(mean=1e-5
 def _publisher(stats: torch.Tensor, pending_version: int | None) -> WeightPublisher:
     publisher = object.__new__(WeightPublisher)
     publisher.rank0, publisher.intact_misses, publisher.gate = True, 0, GATE
+    # One server of one DP engine: no /weight_checker comparison to make after a passed gate.
+    publisher.cfg = SimpleNamespace(rollout=SimpleNamespace(verify_failures_in_row=3, data_parallel_size=1))
+    publisher.fleet = SimpleNamespace(servers=["the server"], supervisors=[])
     publisher.verified = {"sync/verify_max_abs_diff": 1e-7}          # the start-up verification's
     publisher.pending = None if pending_version is None else PendingCheck(pending_version, None)
     publisher._pending_stats = lambda _pending: stats                 # type: ignore[method-assign]
