@@ -17,6 +17,9 @@ A variant that cannot fit in the available memory is skipped with its estimated 
 ``"estimated": true``; the fused head's memory ratio to it is then given against that estimate.
 ``--tokens-list 4096,32768`` runs several rows; ``--variants fused`` (or ``fused_fwd_bwd``, ...)
 runs a subset; ``--time-limit S`` stops a variant after S seconds (reported as timed out).
+``--device cuda --dtype bf16`` (with ``--fused``) runs the variants on a GPU in the model's dtype, the
+peak taken from the CUDA caching allocator after a warm-up run (torch only, no vLLM or megatron-core):
+the time bound is a GPU question, where a GEMM is not ~60x an elementwise pass over the logits.
 
 ``--fused [--hidden 4096]``: every variant starts from hidden states ``[tokens, hidden]`` and an
 output weight ``[vocab, hidden]``: naive and chunked compute the logits with the output layer's GEMM
@@ -101,55 +104,86 @@ def _ddp_hook(weight: Any) -> None:
     weight.grad = None
 
 
-def run_head_variant(variant: str, tokens: int, vocab: int, hidden: int, chunk_size: int) -> dict[str, float]:
-    """One `--fused` variant, from hidden states and an output weight (meant for a fresh subprocess)."""
+def run_head_variant(variant: str, tokens: int, vocab: int, hidden: int, chunk_size: int,
+                     device: str = "cpu", dtype: str = "fp32") -> dict[str, float]:
+    """One `--fused` variant, from hidden states and an output weight (meant for a fresh subprocess).
+    On CUDA: the operands in `dtype` (main_grad float32, as megatron keeps it), one untimed warm-up
+    run (cuBLAS handles, kernels), then the measured run; peak extra = the caching allocator's peak
+    minus what was allocated before it (`torch.cuda.max_memory_allocated`), time synchronized."""
     import torch
 
     from megatron_rl.fused_head import fused_head_logprobs
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    dev, dt = torch.device(device), {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     backward = variant.endswith("fwd_bwd")
     gen = torch.Generator().manual_seed(0)
-    h = torch.randn(tokens, hidden, generator=gen).requires_grad_(backward)
-    w = torch.nn.Parameter(torch.randn(vocab, hidden, generator=gen).mul_(3 / hidden ** 0.5), requires_grad=backward)
+    h = torch.randn(tokens, hidden, generator=gen).to(dev, dt).requires_grad_(backward)
+    w = torch.nn.Parameter(torch.randn(vocab, hidden, generator=gen).mul_(3 / hidden ** 0.5).to(dev, dt),
+                           requires_grad=backward)
     if backward:
-        w.main_grad = torch.zeros(vocab, hidden)             # type: ignore[attr-defined]
+        w.main_grad = torch.zeros(vocab, hidden, device=dev)  # type: ignore[attr-defined]
         w.grad_added_to_main_grad = False                     # type: ignore[attr-defined]
         w.register_post_accumulate_grad_hook(_ddp_hook)
-    target = torch.randint(0, vocab, (tokens,), generator=gen)
-    w1, w2 = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
+    target = torch.randint(0, vocab, (tokens,), generator=gen).to(dev)
+    w1, w2 = torch.randn(tokens, generator=gen).to(dev), torch.randn(tokens, generator=gen).to(dev)
+
+    def once() -> None:
+        with torch.set_grad_enabled(backward):
+            if "fused" in variant:
+                out = fused_head_logprobs(h, w, target, chunk_size=chunk_size or None, into_main_grad=True)
+                logp, entropy = out.logprobs, out.entropy
+            elif "naive" in variant:
+                logp, entropy = _naive((h @ w.t()).float(), target)    # megatron's unfused path upcasts
+            else:
+                logp, entropy = _chunked(h @ w.t(), target, chunk_size)
+            if backward:
+                (logp * w1 + entropy * w2).sum().backward()
+                h.grad = None
+
+    if dev.type == "cuda":
+        once()
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        baseline = torch.cuda.memory_allocated(dev)
+        start = time.perf_counter()
+        once()
+        torch.cuda.synchronize(dev)
+        seconds = time.perf_counter() - start
+        return {"peak_extra_bytes": torch.cuda.max_memory_allocated(dev) - baseline, "seconds": seconds}
     baseline = _rss_peak_bytes()
     start = time.perf_counter()
-    with torch.set_grad_enabled(backward):
-        if "fused" in variant:
-            out = fused_head_logprobs(h, w, target, chunk_size=chunk_size or None, into_main_grad=True)
-            logp, entropy = out.logprobs, out.entropy
-        elif "naive" in variant:
-            logp, entropy = _naive(h @ w.t(), target)
-        else:
-            logp, entropy = _chunked(h @ w.t(), target, chunk_size)
-        if backward:
-            (logp * w1 + entropy * w2).sum().backward()
+    once()
     seconds = time.perf_counter() - start
     return {"peak_extra_bytes": _rss_peak_bytes() - baseline, "seconds": seconds}
 
 
-def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    import psutil
+def _available_bytes(device: str) -> int:
+    """What a variant may use: free host memory, or the GPU's free memory (asked in a subprocess,
+    so that this process holds no CUDA context while the variants run)."""
+    if device == "cpu":
+        import psutil
 
+        return int(psutil.virtual_memory().available)
+    probe = f"import torch; print(torch.cuda.mem_get_info(torch.device({device!r}))[0])"
+    return int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
+
+
+def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     extra = _FOOTPRINT[variant] * args.tokens * args.vocab * 4
     if variant.endswith("fwd_bwd") and variant.startswith("head_") and "fused" not in variant:
         extra += args.vocab * args.hidden * 4      # autograd's weight gradient, before DDP's hook frees it
     need = extra
     if variant.startswith("head_"):     # weight, main_grad, a weight gradient, chunk temporaries
         need += 3 * args.vocab * args.hidden * 4 + 2**30
-    if psutil.virtual_memory().available < need * 1.2:
+    if args.available < need * 1.2:
         return {"skipped": f"needs ~{need / 2**30:.1f} GiB, not available",
                 "estimated_peak_extra_bytes": int(extra), "estimated": True}
     if variant.removeprefix("head_") not in args.variants:
         return {"not_run": "not in --variants"}
     cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens),
-           "--vocab", str(args.vocab), "--chunk-size", str(args.chunk_size), "--hidden", str(args.hidden)]
+           "--vocab", str(args.vocab), "--chunk-size", str(args.chunk_size), "--hidden", str(args.hidden),
+           "--device", args.device, "--dtype", args.dtype]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
@@ -185,23 +219,32 @@ def main() -> None:
                         help="comma-separated subset: naive, chunked, fused (both modes) or e.g. fused_fwd_bwd")
     parser.add_argument("--time-limit", type=float, default=0,
                         help="seconds per variant (0 = none); a variant past it is reported as timed out")
+    parser.add_argument("--device", default="cpu", help="--fused: cpu, or cuda[:N] (peak from the CUDA allocator)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="--fused: the hidden states' and weight's dtype (main_grad is float32)")
     parser.add_argument("--child", choices=VARIANTS + HEAD_VARIANTS)
     args = parser.parse_args()
     args.variants = _variant_names(args.variants)
+    if args.device != "cpu" and not args.fused:
+        raise SystemExit("--device: only --fused runs on a GPU (the logits-only comparison is a CPU one)")
     if args.child:
-        run = run_head_variant(args.child, args.tokens, args.vocab, args.hidden, args.chunk_size) \
+        run = run_head_variant(args.child, args.tokens, args.vocab, args.hidden, args.chunk_size, args.device,
+                               args.dtype) \
             if args.child.startswith("head_") else run_variant(args.child, args.tokens, args.vocab, args.chunk_size)
         print(json.dumps(run))
         return
     if args.fused:
         started = time.perf_counter()
         rows = [int(t) for t in args.tokens_list.split(",")] if args.tokens_list else [args.tokens]
+        args.available = _available_bytes(args.device)
         emit({"vocab": args.vocab, "hidden": args.hidden, "chunk_size": args.chunk_size,
+              "device": args.device, "dtype": args.dtype,
               "threads": int(os.environ.get("BENCH_THREADS", "1")), "loadavg_start": os.getloadavg(),
               "rows": [_fused_row(argparse.Namespace(**{**vars(args), "tokens": t})) for t in rows]},
              started, None)
         return
     args.variants |= set(VARIANTS)   # the logits-only comparison always runs all four
+    args.available = _available_bytes("cpu")
     results = {v: _spawn(v, args) for v in VARIANTS}
     report: dict[str, object] = {
         "tokens": args.tokens, "vocab": args.vocab, "chunk_size": args.chunk_size,

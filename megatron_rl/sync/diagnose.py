@@ -92,6 +92,8 @@ class Diagnosis:
     reloaded: dict[str, list[str]] = field(default_factory=dict)
     """`<server> DP engine <i>` → the vLLM parameters whose /weight_checker checksum the re-send
     (of the same version, dense) changed: the sync before it delivered them wrong (`checker.py`)."""
+    unchecked: str | None = None
+    """Why the /weight_checker comparison is missing (the re-sent bytes are still compared)."""
     seconds: float = 0.0
 
     def families(self) -> dict[str, list[str]]:
@@ -101,6 +103,8 @@ class Diagnosis:
         head = f"Diagnosis ({self.seconds:.1f} s; the weights re-sent once, checksummed on both sides)"
         if self.error is not None:
             return f"{head}: not available ({self.error})"
+        if self.unchecked is not None:
+            head = f"{head}; no /weight_checker comparison ({self.unchecked})"
         if self.reloaded:
             head = (f"{head}. vLLM's /weight_checker: the dense re-send of the same version changed what the servers "
                     "held, so the sync before it delivered these wrong (a delta round must be bit-identical to a "
@@ -166,14 +170,15 @@ def diagnose_sync(resend: Callable[[Transport | None], Any], transport: Transpor
     start = time.perf_counter()
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     problem: str | None = None
+    unchecked: str | None = None
     before: dict[str, dict[str, str]] = {}
     if rank0:
-        try:
+        try:      # a server that cannot checksum still has its re-sent bytes compared
             before = checker.check_servers(servers, CHECKER_DEADLINE_S).replicas if servers else {}
         except Exception as exc:        # noqa: BLE001 - reported in the diagnosis
-            problem = f"vLLM's /weight_checker before the re-send failed: {exc}"
+            unchecked = f"before the re-send: {exc}"
         try:
-            for server in servers if problem is None else []:
+            for server in servers:
                 server.rpc("mrl_digest_arm")
         except Exception as exc:        # noqa: BLE001 - reported in the diagnosis
             problem = f"arming the workers failed: {exc}"
@@ -190,11 +195,12 @@ def diagnose_sync(resend: Callable[[Transport | None], Any], transport: Transpor
         result = Diagnosis(error=f"the re-sync failed: {exc}")
     if rank0:
         result = _collect(recorder, servers, result)
+        result.unchecked = unchecked
         if result.error is None and before:
             try:
                 result.reloaded = checker.changed(before, checker.check_servers(servers, CHECKER_DEADLINE_S).replicas)
             except Exception as exc:    # noqa: BLE001 - reported in the diagnosis
-                result.error = f"vLLM's /weight_checker after the re-send failed: {exc}"
+                result.unchecked = f"after the re-send: {exc}"
         result.seconds = time.perf_counter() - start        # rank 0's, as the rest of the diagnosis
     result = from_rank0(result)
     assert result is not None

@@ -118,13 +118,17 @@ def direct(phase: str, fn: Callable[..., Any], *args: Any) -> Any:
 def one_result(results: list[dict[str, Any]]) -> dict[str, Any]:
     """vLLM's collective RPC answers once per worker (TP × PP of an engine; under DP, those of
     the first engine). Every worker loads the whole update, so all must report the same one:
-    a worker that loaded another version or another number of tensors is an error."""
+    a worker that loaded another version or another number of tensors is an error. Each worker's
+    own phase timings (`seconds`, bench/sync_bench.py's) differ by nature: the slowest is kept."""
     if not results:
         raise RuntimeError("the server returned no worker result")
-    first = results[0]
+    first = {k: v for k, v in results[0].items() if k != "seconds"}
     for i, r in enumerate(results[1:], start=1):
-        if r != first:
+        if {k: v for k, v in r.items() if k != "seconds"} != first:
             raise RuntimeError(f"vLLM workers disagree: worker 0 reported {first}, worker {i} {r}")
+    timed = [r["seconds"] for r in results if isinstance(r.get("seconds"), dict)]
+    if timed:
+        first["seconds"] = {k: max(t.get(k, 0.0) for t in timed) for k in timed[0]}
     return {**first, "workers": len(results)}
 
 

@@ -26,6 +26,11 @@ def test_one_result_per_vllm_worker_must_agree() -> None:
         one_result([same, {**same, "version": 2}])
     with pytest.raises(RuntimeError, match="no worker result"):
         one_result([])
+    # Each worker's phase timings differ by nature: equal otherwise, the slowest phase is kept.
+    timed = [{**same, "seconds": {"load_s": 0.25, "map_s": 0.5}}, {**same, "seconds": {"load_s": 0.5, "map_s": 0.125}}]
+    assert one_result(timed) == {**same, "seconds": {"load_s": 0.5, "map_s": 0.5}, "workers": 2}
+    with pytest.raises(RuntimeError, match="workers disagree"):
+        one_result([timed[0], {**timed[1], "tensors": 32}])
 
 def test_server_environment_drops_torchrun_variables_and_ignores_generation_config(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
