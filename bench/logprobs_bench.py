@@ -19,7 +19,7 @@ A variant that cannot fit in the available memory is skipped with its estimated 
 runs a subset; ``--time-limit S`` stops a variant after S seconds (reported as timed out).
 ``--device cuda --dtype bf16`` (with ``--fused``) runs the variants on a GPU in the model's dtype, the
 peak taken from the CUDA caching allocator after a warm-up run (torch only, no vLLM or megatron-core):
-the time bound is a GPU question, where a GEMM is not ~60x an elementwise pass over the logits.
+where GEMMs are fast, the passes over the logits weigh more in the ratio than on a CPU.
 
 ``--fused [--hidden 4096]``: every variant starts from hidden states ``[tokens, hidden]`` and an
 output weight ``[vocab, hidden]``: naive and chunked compute the logits with the output layer's GEMM
