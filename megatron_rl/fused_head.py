@@ -129,6 +129,10 @@ def _weight_grad(weight: Tensor, acc: Tensor | None, main_grad: Tensor | None) -
         return None
     if main_grad is not None:
         weight.grad_added_to_main_grad = True   # type: ignore[attr-defined]
+        # As megatron's linear (tensor_parallel/layers.py:697): DDP adds a `zero_out_wgrad` weight's
+        # `grad` to `main_grad` anyway, so its placeholder must be zeros.
+        if getattr(weight, "zero_out_wgrad", False):
+            return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
         return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     return acc if acc.dtype == weight.dtype else acc.to(weight.dtype)
 

@@ -139,6 +139,23 @@ def test_weight_gradient_into_main_grad() -> None:
     torch.testing.assert_close(w.main_grad.double(), 0.5 + 2 * ref_gw, atol=1e-5, rtol=0)  # type: ignore[attr-defined]
 
 
+def test_the_placeholder_gradient_follows_megatrons_linear() -> None:
+    """GPU audit 6 #5: a `zero_out_wgrad` weight gets a zero placeholder (DDP adds `grad` to
+    `main_grad` anyway, megatron's linear does the same); `main_grad` gets the gradient either way."""
+    hidden, weight, target, w1, w2 = make_head(10, 4, 12, torch.float32, seed=6)
+    _, _, _, ref_gw = _reference(hidden, weight, target, 1.0, w1, w2)
+    for zero in (True, False):
+        w = torch.nn.Parameter(weight.clone())
+        w.main_grad = torch.zeros(weight.shape)          # type: ignore[attr-defined]
+        w.grad_added_to_main_grad, w.zero_out_wgrad = False, zero   # type: ignore[attr-defined]
+        out = fused_head_logprobs(hidden, w, target, chunk_size=3, into_main_grad=True)
+        ((out.logprobs.double() * w1).sum() + (out.entropy.double() * w2).sum()).backward()
+        assert w.grad is not None and w.grad_added_to_main_grad    # type: ignore[attr-defined]
+        if zero:
+            assert not w.grad.any()
+        torch.testing.assert_close(w.main_grad.double(), ref_gw, atol=1e-5, rtol=0)  # type: ignore[attr-defined]
+
+
 class _Sizes(TorchDispatchMode):
     """The element count of every tensor any op creates."""
 
