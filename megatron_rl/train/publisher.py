@@ -205,11 +205,12 @@ class WeightPublisher:
         return self.judge(policy, self._pending_stats(pending), pending.version, self.gate)
 
     def _pending_stats(self, pending: PendingCheck) -> torch.Tensor:
-        """`_probe_stats` of a started verification (collective; every rank gets them)."""
+        """`diff_stats` of a started verification's server minus trainer log-probs (collective;
+        every rank gets them; rank 0 waits for its thread)."""
         stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
         if pending.server_diffs is not None:
             stats = verification.diff_stats(pending.server_diffs.result())
-        dist.broadcast(stats, src=0)
+        dist.broadcast(stats, src=0)                         # a CPU tensor: gloo, also on GPU runs
         return stats
 
     def push(self, policy: Policy, version: int) -> SyncReport | None:
@@ -310,12 +311,12 @@ class WeightPublisher:
                      limits: verification.Limits) -> torch.Tensor:
         """`diff_stats` of server minus trainer over every server (collective; every rank gets them)."""
         trainer_lp = policy.actor.compute_logprobs(probe, temperature=1.0)      # on the CPU
-        stats = torch.zeros(len(verification.STATS), dtype=torch.float64)
+        diffs: Future[torch.Tensor] | None = None
         if self.rank0:
             clients = self._supervised_clients(trainer_lp, probe, version, limits)
-            stats = verification.diff_stats(verification.server_diffs(trainer_lp, probe, clients))
-        dist.broadcast(stats, src=0)                         # a CPU tensor: gloo, also on GPU runs
-        return stats
+            diffs = Future()
+            diffs.set_result(verification.server_diffs(trainer_lp, probe, clients))
+        return self._pending_stats(PendingCheck(version, diffs))       # the same broadcast as an overlapped one
 
     def _supervised_clients(self, trainer_lp: torch.Tensor, probe: TrainBatch, version: int,
                             limits: verification.Limits) -> list[_Supervised]:
