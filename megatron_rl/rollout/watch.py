@@ -77,7 +77,7 @@ class ServerWatch:
             api = psutil.Process(self.pid)
             self.known.setdefault(api.pid, api)
             for p in api.children(recursive=True):
-                if p.pid not in self.known and _is_vllm(p):
+                if p.pid not in self.known and _is_server_process(p):
                     self.known[p.pid] = p
         except psutil.NoSuchProcess:
             pass
@@ -135,9 +135,17 @@ class ServerWatch:
             self.on_down(reason)
 
 
-def _is_vllm(p: psutil.Process) -> bool:
+def _is_server_process(p: psutil.Process) -> bool:
+    """A `VLLM::…` process vLLM named itself. A child forked by one (the engine core runs helper
+    programs on its first requests: seen, short-lived python and g++ processes) carries its
+    parent's name until it execs or exits; adopted in that window, its exit was taken for the
+    server's death and the whole healthy server killed (CI, under load, after a restart)."""
     try:
-        return p.name().startswith("VLLM")
+        name = p.name()
+        if not name.startswith("VLLM"):
+            return False
+        parent = p.parent()
+        return parent is None or parent.name() != name
     except psutil.Error:
         return False
 

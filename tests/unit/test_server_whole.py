@@ -24,20 +24,34 @@ from tests.helpers.train import ENV
 # The stand-in server: binds its port as vLLM's setup_server does (noted for the children to
 # close), forks two children by multiprocessing (engine core, worker; the second from the
 # first), names them VLLM::…, answers /health (slowly while a /slow request runs elsewhere).
+# With "helpers", the engine core also forks a short-lived child every second that keeps its
+# name (a helper between fork and exec), as vLLM's engine core does on its first requests.
 SERVER = r"""
 import json, os, socket, sys, threading, time, multiprocessing, ctypes
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from megatron_rl.rollout import server_main
 
 port, out = int(sys.argv[1]), sys.argv[2]
+helpers = sys.argv[3:] == ["helpers"]
 sock = socket.create_server(("127.0.0.1", port))
 server_main._listening.append(sock)
 server_main._bind_forked_children()
+
+def fork_helpers():
+    while True:
+        time.sleep(1)
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(1.5)
+            os._exit(0)
+        os.waitpid(pid, 0)
 
 def named(title, then=None):
     ctypes.CDLL(None).prctl(15, title.encode(), 0, 0, 0)        # PR_SET_NAME, as setproctitle does
     if then:
         multiprocessing.get_context("fork").Process(target=named, args=(then,)).start()
+        if helpers:
+            threading.Thread(target=fork_helpers, daemon=True).start()
     while True:
         time.sleep(1)
 
@@ -56,15 +70,17 @@ http.serve_forever()
 """
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, list[psutil.Process]]:
+def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, list[psutil.Process]]:
     port = free_port("127.0.0.1")
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(ready)], env=ENV, cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(ready), *extra], env=ENV, cwd=REPO,
                             start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         kids = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        if ready.is_file() and sum(k.name().startswith("VLLM") for k in kids) == 2:
+        # The engine core (a child of the API process) and the worker, not the engine's helpers.
+        kids = [k for k in kids if k.name().startswith("VLLM") and (k.ppid() == proc.pid or k.name() == "VLLM::Worker")]
+        if ready.is_file() and len(kids) == 2:
             return proc, port, kids
         time.sleep(0.1)
     proc.kill()
@@ -126,6 +142,29 @@ def test_the_watch_kills_the_whole_server_when_one_process_dies(tmp_path: Path, 
         assert _gone([psutil.Process(proc.pid), *kids], within_s=5)
         assert watch.down and f"process {worker.pid}" in watch.down
         assert time.monotonic() - t0 < 5
+    finally:
+        watch.stop()
+
+
+def test_a_helper_that_a_vllm_process_forks_and_that_exits_is_not_the_server_dying(
+        tmp_path: Path, killed_after: list) -> None:
+    proc, port, kids = _start(tmp_path, "helpers")
+    killed_after.append(proc)
+    engine = next(k for k in kids if k.ppid() == proc.pid)
+    watch = ServerWatch(f"http://127.0.0.1:{port}", proc.pid, hang_timeout_s=60).start()
+    try:
+        helpers: set[int] = set()
+        deadline = time.monotonic() + 5               # two helpers come and go, each alive over a watch poll
+        while time.monotonic() < deadline:
+            for c in engine.children():
+                try:
+                    helpers |= {c.pid} if c.name() == engine.name() else set()
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.1)
+        assert len(helpers) >= 2
+        assert watch.down is None and proc.poll() is None
+        assert watch.processes() == sorted([proc.pid, *(k.pid for k in kids)])
     finally:
         watch.stop()
 
