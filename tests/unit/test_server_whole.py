@@ -77,14 +77,21 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, list[psu
                             start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        kids = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        # The engine core (a child of the API process) and the worker, not the engine's helpers.
-        kids = [k for k in kids if k.name().startswith("VLLM") and (k.ppid() == proc.pid or k.name() == "VLLM::Worker")]
+        kids = [k for k in (psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else [])
+                if _engine_or_worker(k, proc.pid)]
         if ready.is_file() and len(kids) == 2:
             return proc, port, kids
         time.sleep(0.1)
     proc.kill()
     pytest.fail("the stand-in server did not start")
+
+
+def _engine_or_worker(p: psutil.Process, api: int) -> bool:
+    """The engine core (a child of the API process) or the worker, not one of the engine's helpers."""
+    try:
+        return p.name().startswith("VLLM") and (p.ppid() == api or p.name() == "VLLM::Worker")
+    except psutil.NoSuchProcess:        # a helper that exited meanwhile
+        return False
 
 
 def _gone(procs: list[psutil.Process], within_s: float) -> bool:
