@@ -89,7 +89,8 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, list[psu
 def _engine_or_worker(p: psutil.Process, api: int) -> bool:
     """The engine core (a child of the API process) or the worker, not one of the engine's helpers."""
     try:
-        return p.name().startswith("VLLM") and (p.ppid() == api or p.name() == "VLLM::Worker")
+        name = p.name()
+        return name.startswith("VLLM") and (p.ppid() == api or name == "VLLM::Worker")
     except psutil.NoSuchProcess:        # a helper that exited meanwhile
         return False
 
@@ -165,7 +166,8 @@ def test_a_helper_that_a_vllm_process_forks_and_that_exits_is_not_the_server_dyi
         while time.monotonic() < deadline:
             for c in engine.children():
                 try:
-                    helpers |= {c.pid} if c.name() == engine.name() else set()
+                    if c.name() == engine.name():
+                        helpers.add(c.pid)
                 except psutil.NoSuchProcess:
                     pass
             time.sleep(0.1)
