@@ -19,7 +19,10 @@ log-prob forwards before the loss) and `train` (the rest of the step: forward, b
 
 TRL is a bench-only dependency, not one of the product's (`pip install 'trl==1.16.*'`). Usage:
 
-    python bench/peer_bench.py [--steps 30] [--warmup 3] [--only ours|trl] [--json-out F]
+    python bench/peer_bench.py [--steps 30] [--warmup 3] [--only ours|trl] [--seeds 1234,1,2] [--json-out F]
+
+With several seeds each side runs once per seed (interleaved); the ratios are also given as their
+median, and `reward_last10` says whether the end rewards differ by more than their noise.
 """
 
 from __future__ import annotations
@@ -57,11 +60,12 @@ SETTINGS_NOT_EQUAL = [
 ]
 
 
-def recipe_cfg(paths: dict[str, Path]) -> Any:
+def recipe_cfg(paths: dict[str, Path], seed: int | None = None) -> Any:
     from megatron_rl.config.loader import load_recipe
 
     return load_recipe(RECIPE, [f"model.init_checkpoint={paths['model']}", f"data.train_path={paths['train']}",
-                                f"data.eval_path={paths['eval']}", "evaluation.interval=0"])
+                                f"data.eval_path={paths['eval']}", "evaluation.interval=0",
+                                *([f"trainer.seed={seed}"] if seed is not None else [])])
 
 
 def demo_paths() -> dict[str, Path]:
@@ -86,16 +90,18 @@ def summarize(step_times: list[float], rewards: list[float], phases: dict[str, l
 
 
 # ------------------------------------------------------------------------------------ ours
-def run_ours(paths: dict[str, Path], steps: int, warmup: int, out: Path) -> dict[str, Any]:
+def run_ours(paths: dict[str, Path], steps: int, warmup: int, out: Path, seed: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), f"model.init_checkpoint={paths['model']}",
            f"data.train_path={paths['train']}", f"data.eval_path={paths['eval']}", "evaluation.interval=0",
-           f"trainer.max_steps={steps}", f"logging.output_dir={out}", "logging.run_name=ours"]
+           f"trainer.max_steps={steps}", f"trainer.seed={seed}", f"logging.output_dir={out}",
+           f"logging.run_name=ours_{seed}"]
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     wall = time.perf_counter() - started
     if done.returncode != 0:
         return {"failed": (done.stdout + done.stderr)[-2000:]}
-    rows = [json.loads(line) for line in (out / "ours" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (out / f"ours_{seed}" / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
     phases = {k[5:]: [r.get(k, 0.0) for r in rows] for k in ("time/rollout", "time/reward", "time/logprobs",
                                                              "time/verify_wait", "time/train", "time/sync")}
     phases["other"] = [r["time/iteration_s"] - r["time/step"] for r in rows]
@@ -104,7 +110,7 @@ def run_ours(paths: dict[str, Path], steps: int, warmup: int, out: Path) -> dict
 
 
 # ------------------------------------------------------------------------------------- TRL
-def trl_child(steps: int, out: Path) -> None:
+def trl_child(steps: int, out: Path, seed: int) -> None:
     """TRL's GRPOTrainer on the recipe's job; prints one JSON line of per-step records."""
     import torch
     from datasets import Dataset
@@ -115,7 +121,7 @@ def trl_child(steps: int, out: Path) -> None:
     from megatron_rl.tasks import resolve_task
 
     paths = demo_paths()
-    cfg = recipe_cfg(paths)
+    cfg = recipe_cfg(paths, seed)
     r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
     task = resolve_task(cfg.task, cfg.rewards.weights)
     tokenizer = AutoTokenizer.from_pretrained(str(paths["model"]))
@@ -126,7 +132,7 @@ def trl_child(steps: int, out: Path) -> None:
         return [task.reward(c[0]["content"], json.loads(rec))[0] for c, rec in zip(completions, record, strict=True)]
 
     args = GRPOConfig(
-        output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=t.global_batch_size,
+        output_dir=str(out / f"trl_{seed}"), max_steps=steps, per_device_train_batch_size=t.global_batch_size,
         gradient_accumulation_steps=1, num_generations=r.n, max_completion_length=r.max_response_length,
         temperature=r.temperature, top_p=r.top_p, learning_rate=t.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
@@ -170,8 +176,8 @@ def _timed(fn: Any, into: dict[str, float], name: str) -> Any:
     return wrapper
 
 
-def run_trl(steps: int, warmup: int, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child-trl", "--steps", str(steps), "--out", str(out)]
+def run_trl(steps: int, warmup: int, out: Path, seed: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child-trl", "--steps", str(steps), "--out", str(out), "--seed", str(seed)]
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     wall = time.perf_counter() - started
@@ -183,32 +189,67 @@ def run_trl(steps: int, warmup: int, out: Path) -> dict[str, Any]:
     return summarize([row["step_s"] for row in rows], [row["reward"] for row in rows], phases, wall, warmup)
 
 
+def reward_noise(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each side's last-10 reward over the seeds (mean, sample sd), their gap, and whether the gap is
+    within noise: |gap| ≤ 2 standard errors of the difference of the means (needs ≥ 2 seeds)."""
+    out: dict[str, Any] = {}
+    for side in SIDES:
+        vals = [run[side]["reward_last10"] for run in per_seed if "reward_last10" in run.get(side, {})]
+        out[side] = {"values": vals, "mean": statistics.fmean(vals) if vals else None,
+                     "sd": statistics.stdev(vals) if len(vals) > 1 else None}
+    if out["ours"]["mean"] is None or out["trl"]["mean"] is None:
+        return out
+    out["gap"] = out["ours"]["mean"] - out["trl"]["mean"]
+    if out["ours"]["sd"] is not None and out["trl"]["sd"] is not None:
+        k_o, k_t = len(out["ours"]["values"]), len(out["trl"]["values"])
+        se = (out["ours"]["sd"] ** 2 / k_o + out["trl"]["sd"] ** 2 / k_t) ** 0.5
+        out["se_of_gap"], out["within_noise"] = se, abs(out["gap"]) <= 2 * se
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the steady-state median")
     parser.add_argument("--only", choices=SIDES)
+    parser.add_argument("--seeds", default="1234",
+                        help="comma-separated trainer seeds (prompt order, sampling), each side once per seed, "
+                             "interleaved; with ≥ 2 the end rewards' noise is measured (reward_last10)")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--child-trl", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=1234, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_trl:
-        trl_child(args.steps, args.out)
+        trl_child(args.steps, args.out, args.seed)
         return
     started = time.perf_counter()
     paths = demo_paths()
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     result: dict[str, Any] = {"job": str(RECIPE.relative_to(REPO)), "steps": args.steps, "warmup": args.warmup,
-                              "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
+                              "seeds": seeds, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                               "settings_not_equal": SETTINGS_NOT_EQUAL}
+    per_seed: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peer_bench_") as tmp:
-        if args.only in (None, "ours"):
-            result["ours"] = run_ours(paths, args.steps, args.warmup, Path(tmp))
-        if args.only in (None, "trl"):
-            result["trl"] = run_trl(args.steps, args.warmup, Path(tmp))
-    ours, trl = result.get("ours", {}), result.get("trl", {})
-    if "steady_steps_per_s" in ours and "steady_steps_per_s" in trl:
-        result["ratio_steady"] = ours["steady_steps_per_s"] / trl["steady_steps_per_s"]
-        result["ratio_with_startup"] = ours["with_startup_steps_per_s"] / trl["with_startup_steps_per_s"]
+        for seed in seeds:
+            run: dict[str, Any] = {"seed": seed}
+            if args.only in (None, "ours"):
+                run["ours"] = run_ours(paths, args.steps, args.warmup, Path(tmp), seed)
+            if args.only in (None, "trl"):
+                run["trl"] = run_trl(args.steps, args.warmup, Path(tmp), seed)
+            ours, trl = run.get("ours", {}), run.get("trl", {})
+            if "steady_steps_per_s" in ours and "steady_steps_per_s" in trl:
+                run["ratio_steady"] = ours["steady_steps_per_s"] / trl["steady_steps_per_s"]
+                run["ratio_with_startup"] = ours["with_startup_steps_per_s"] / trl["with_startup_steps_per_s"]
+            per_seed.append(run)
+    result.update({k: v for k, v in per_seed[0].items() if k != "seed"})      # the first seed's, as before
+    if len(per_seed) > 1:
+        result["per_seed"] = per_seed
+        for key in ("ratio_steady", "ratio_with_startup"):
+            values = [run[key] for run in per_seed if key in run]
+            if values:
+                result[key + "_median"] = statistics.median(values)
+    result["reward_last10"] = reward_noise(per_seed)
     emit(result, started, args.json_out)
 
 

@@ -242,8 +242,13 @@ class RolloutServer:
                 # threads), and the engine and that worker then busy-poll their shared-memory
                 # queue for a second after every message: measured, twice the CPU for the same
                 # generation, on a machine whose other core is the trainer's. One rank in the
-                # engine's process, as vLLM does on GPU; its threads stay as OMP_NUM_THREADS says.
+                # engine's process, as vLLM does on GPU.
                 env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+                # The API process's Python runs while the engine steps (HTTP, output processing):
+                # with OpenMP threads on every core, one of them is preempted at each barrier, and
+                # the demo's generation took 1.3× as long on 2 cores (0.27 vs 0.21 s a rollout,
+                # bench/rollout_client_bench.py with OMP_NUM_THREADS=2 vs 1). An explicit setting wins.
+                env.setdefault("OMP_NUM_THREADS", str(cpu_engine_threads()))
         return env
 
     def start(self) -> None:
@@ -455,6 +460,12 @@ def _lost_a_port(log: str) -> bool:
     use"), not vLLM's own data-parallel retry ("Address already in use. Retrying with a new port.")."""
     return any("address already in use" in line.lower() and "retrying" not in line.lower()
                for line in log.splitlines())
+
+
+def cpu_engine_threads() -> int:
+    """OpenMP threads of a TP 1 server's engine on CPU: every core of this process but one, which
+    is the API process's."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def cpu_thread_binding(ranks: int) -> str:

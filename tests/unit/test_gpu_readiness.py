@@ -58,6 +58,13 @@ def test_server_environment_drops_torchrun_variables_and_ignores_generation_conf
         # needs vLLM's worker processes.
         assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in tp2.environment()
+        # Its OpenMP threads leave one core to the API process; the caller's setting wins.
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert server.environment()["OMP_NUM_THREADS"] == "3"
+        monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0})
+        assert server.environment()["OMP_NUM_THREADS"] == "1"
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert server.environment()["OMP_NUM_THREADS"] == "2"
 
 def test_verification_statistics_and_dtype_bounds() -> None:
     from megatron_rl.sync import verify as v
