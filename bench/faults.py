@@ -9,7 +9,10 @@ the fault or at the end, their ports that no longer bind, the listening sockets 
 run that were not on loopback, and /dev/shm files and temp dirs left behind.
 
     python bench/faults.py [--kinds group,api,engine,worker,stop] [--tp 2] [--steps N] [--seed 0]
-                           [--max-staleness K] [--out DIR] [--json-out FILE]
+                           [--max-staleness K | --delta] [--out DIR] [--json-out FILE]
+
+`--delta` trains in bf16 at lr 1e-6 with `rollout.sync_delta: on`, so that the syncs the faults
+land in are sparse patches (`sync_rounds` in the JSON counts them).
 
 Faults other than "group" run the server in vLLM's multiprocess layout (an engine core and a
 worker beside the API process, as on a GPU), which a CPU server of one rank otherwise does not
@@ -435,7 +438,7 @@ def launch(args: argparse.Namespace, run_name: str, resume: bool) -> subprocess.
     cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--seed", str(args.seed),
            "--max-staleness", str(args.max_staleness), "--out", str(args.out), "--kinds", ",".join(args.kinds),
            "--phases", ",".join(args.phases), "--tp", str(args.tp), "--run-name", run_name] \
-        + (["--resume"] if resume else [])
+        + (["--resume"] if resume else []) + (["--delta"] if args.delta else [])
     log = open(args.out / f"{run_name}.{'resumed' if resume else 'first'}.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     if set(args.kinds) - {"group"}:
@@ -507,6 +510,7 @@ def driver(args: argparse.Namespace) -> dict[str, Any]:
         "restarts_failed_and_retried": sum(log.count("[rollout] restart failed") for log in logs),
         "restarts_verified_numerically": sum(log.count("verified: max |Δ log-prob|") for log in logs),
         "health": verdict(rows),
+        "delta": args.delta, "sync_rounds": sync_rounds(rows),
         **recovery_report(injections, _jsonl(run / "recoveries.jsonl")),
         "left_after_10s": [r for r in _jsonl(run / "left.jsonl") if r["left_after_10s"]],
         "processes_left": processes_left(injections),
@@ -658,6 +662,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--max-staleness", type=int, default=0,
                     help="0: the synchronous loop; k >= 1: asynchronous rollout, k versions ahead")
+    ap.add_argument("--delta", action="store_true",
+                    help="the run in bf16 at lr 1e-6 with rollout.sync_delta on, so that its syncs are sparse "
+                         "patches (`sync/delta.py`; in fp32 at the tiny recipe's lr every element changes and each "
+                         "tensor goes whole); synchronous loop only")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-name", help=argparse.SUPPRESS)
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
@@ -670,6 +678,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.phases or set(args.phases) - set(PARTIAL_PHASES):
         ap.error(f"--phases: choose from {', '.join(PARTIAL_PHASES)}")
     args.steps = args.steps or max(20 if "group" in args.kinds else 0, steps_needed(args.kinds, args.phases))
+    if args.delta and args.max_staleness:
+        # config/rules.py: asynchronous rollout needs disaggregated servers, whose syncs read a new
+        # directory of the shared run dir every update (`delta_sync_where`): whole, never deltas.
+        ap.error("--delta with --max-staleness: asynchronous rollout runs disaggregated, where syncs go whole")
     return args
 
 
@@ -683,7 +695,23 @@ def child_overrides(args: argparse.Namespace) -> list[str]:
         f"logging.output_dir={args.out}", f"logging.run_name={args.run_name}", "logging.tensorboard=false",
         f"rollout.tensor_parallel_size={args.tp}"] \
         + ([f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"] if "stop" in args.kinds else []) \
-        + async_overrides(args.max_staleness)
+        + async_overrides(args.max_staleness) + (DELTA_OVERRIDES if args.delta else [])
+
+
+DELTA_OVERRIDES = ["model.params_dtype=bf16", "rollout.dtype=bfloat16", "trainer.lr=1e-6", "rollout.sync_delta=on"]
+"""`--delta`: bf16 at an RL learning rate, where an optimizer step changes ~1 % of the stored values."""
+
+
+def sync_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's syncs as the metrics log has them: how many went as deltas and whole, and the deltas'
+    median changed fraction and bytes (`sync/*`)."""
+    deltas = [r for r in rows if r.get("sync/dense") == 0]
+
+    def median(key: str) -> float | None:
+        values = sorted(r[key] for r in deltas if key in r)
+        return values[len(values) // 2] if values else None
+    return {"delta": len(deltas), "dense": sum(1 for r in rows if r.get("sync/dense") == 1),
+            "delta_changed_frac_median": median("sync/changed_frac"), "delta_bytes_median": median("sync/bytes")}
 
 
 def passed(result: dict[str, Any]) -> bool:

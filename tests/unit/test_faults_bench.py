@@ -101,3 +101,20 @@ def test_a_run_too_short_for_the_trainer_kill_finishes_with_its_first_trainer() 
     assert faults.run_finished(-9, 0, killed=True)
     assert not faults.run_finished(-9, 1, killed=True)
     assert not faults.run_finished(0, None, killed=True)
+
+
+def test_delta_runs_are_synchronous_and_their_sync_rounds_are_counted() -> None:
+    import pytest
+
+    args = faults.parse(["--delta"])
+    assert args.delta and args.max_staleness == 0
+    assert "rollout.sync_delta=on" in faults.DELTA_OVERRIDES and "trainer.lr=1e-6" in faults.DELTA_OVERRIDES
+    with pytest.raises(SystemExit):          # asynchronous rollout runs disaggregated: its syncs go whole
+        faults.parse(["--delta", "--max-staleness", "1"])
+    rows = [{"sync/dense": 1, "sync/changed_frac": 1.0, "sync/bytes": 900},
+            *({"sync/dense": 0, "sync/changed_frac": f, "sync/bytes": b}
+              for f, b in [(0.01, 30), (0.03, 10), (0.02, 20)]),
+            {"step": 5}]                     # a step without a sync's metrics
+    assert faults.sync_rounds(rows) == {"delta": 3, "dense": 1, "delta_changed_frac_median": 0.02,
+                                        "delta_bytes_median": 20}
+    assert faults.sync_rounds([])["delta_changed_frac_median"] is None
