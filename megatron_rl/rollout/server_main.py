@@ -151,8 +151,27 @@ def _fork_engine_processes_on_cpu() -> None:
     def check_and_update_config(cls: type, vllm_config: Any) -> None:
         update(cls, vllm_config)
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        _eager_logprob_ranks()
 
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+
+
+def _eager_logprob_ranks() -> None:
+    """On CPU (called from the CPU platform's config hook, before the engine processes are forked,
+    which inherit it): vLLM ranks every returned log-prob with a `torch.compile`d one-liner
+    (`batched_count_greater_than`, vllm/v1/sample/ops/logprobs.py), which inductor compiles on the
+    first request of every new server process (hashing torch's sources for its cache key, probing
+    the compiler, loading the kernel): 1.8 s before the first request of each start or restart
+    here, whose own generation takes 0.11 s. Its eager body counts the same integers."""
+    from vllm.v1.sample import sampler
+
+    if not hasattr(sampler, "batched_count_greater_than"):      # upstream moved it: say so, loudly
+        raise RuntimeError("vllm.v1.sample.sampler.batched_count_greater_than is gone (server_main.py patches it)")
+
+    def batched_count_greater_than(x: Any, values: Any) -> Any:
+        return (x >= values).sum(-1)
+
+    sampler.batched_count_greater_than = batched_count_greater_than
 
 
 def main() -> None:
