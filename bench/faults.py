@@ -53,6 +53,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -708,20 +709,21 @@ def sync_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
     deltas = [r for r in rows if r.get("sync/dense") == 0]
 
     def median(key: str) -> float | None:
-        values = sorted(r[key] for r in deltas if key in r)
-        return values[len(values) // 2] if values else None
+        values = [r[key] for r in deltas if key in r]
+        return statistics.median(values) if values else None
     return {"delta": len(deltas), "dense": sum(1 for r in rows if r.get("sync/dense") == 1),
             "delta_changed_frac_median": median("sync/changed_frac"), "delta_bytes_median": median("sync/bytes")}
 
 
 def passed(result: dict[str, Any]) -> bool:
     """Every fault survived, nothing lost or twice, every planned fault hit and noticed, a healthy
-    model, every recovery under 60 s, nothing of a faulted server left."""
+    model, every recovery under 60 s, nothing of a faulted server left; with --delta, delta syncs sent."""
     return result["survived"] == result["injected"] and not result["steps_lost"] and not result["steps_duplicated"] \
         and not result["never_reached"] and not result["not_met"] and not result["health"]["collapsed"] \
         and not result["recovery_over_60s"] \
         and not result["processes_left"] and not result["ports_left"] and not result["left_after_10s"] \
-        and not result["shm_left"] and not result["tmp_left"]
+        and not result["shm_left"] and not result["tmp_left"] \
+        and (not result.get("delta") or result["sync_rounds"]["delta"] > 0)      # --delta: deltas were sent
 
 
 def main() -> None:

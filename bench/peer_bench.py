@@ -191,7 +191,9 @@ def run_trl(steps: int, warmup: int, out: Path, seed: int) -> dict[str, Any]:
 
 def reward_noise(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
     """Each side's last-10 reward over the seeds (mean, sample sd), their gap, and whether the gap is
-    within noise: |gap| ≤ 2 standard errors of the difference of the means (needs ≥ 2 seeds)."""
+    within noise: |gap| ≤ 2 standard errors of the difference of the means (Welch; needs ≥ 2 seeds).
+    With a few seeds, 2 is below Student's t critical value: "not within noise" may be a false alarm,
+    "within noise" is not."""
     out: dict[str, Any] = {}
     for side in SIDES:
         vals = [run[side]["reward_last10"] for run in per_seed if "reward_last10" in run.get(side, {})]
@@ -225,7 +227,9 @@ def main() -> None:
         return
     started = time.perf_counter()
     paths = demo_paths()
-    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    seeds = list(dict.fromkeys(int(x) for x in args.seeds.split(",") if x.strip()))     # each once: a run dir each
+    if not seeds:
+        parser.error("--seeds: at least one seed")
     result: dict[str, Any] = {"job": str(RECIPE.relative_to(REPO)), "steps": args.steps, "warmup": args.warmup,
                               "seeds": seeds, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                               "settings_not_equal": SETTINGS_NOT_EQUAL}

@@ -118,3 +118,13 @@ def test_delta_runs_are_synchronous_and_their_sync_rounds_are_counted() -> None:
     assert faults.sync_rounds(rows) == {"delta": 3, "dense": 1, "delta_changed_frac_median": 0.02,
                                         "delta_bytes_median": 20}
     assert faults.sync_rounds([])["delta_changed_frac_median"] is None
+
+
+def test_a_delta_run_whose_syncs_all_went_whole_does_not_pass() -> None:
+    clean = {"survived": 3, "injected": 3, "steps_lost": [], "steps_duplicated": [], "never_reached": [],
+             "not_met": [], "health": {"collapsed": False}, "recovery_over_60s": [], "processes_left": [],
+             "ports_left": [], "left_after_10s": [], "shm_left": [], "tmp_left": []}
+    rounds = {"delta": 0, "dense": 20, "delta_changed_frac_median": None, "delta_bytes_median": None}
+    assert faults.passed({**clean, "delta": False, "sync_rounds": rounds})
+    assert not faults.passed({**clean, "delta": True, "sync_rounds": rounds})
+    assert faults.passed({**clean, "delta": True, "sync_rounds": {**rounds, "delta": 19, "dense": 1}})

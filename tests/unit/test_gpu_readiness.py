@@ -58,9 +58,15 @@ def test_server_environment_drops_torchrun_variables_and_ignores_generation_conf
         # needs vLLM's worker processes.
         assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in tp2.environment()
-        # Its OpenMP threads leave one core to the API process; the caller's setting wins.
+        # Its OpenMP threads leave one CPU to the API process, at most one per physical core; the
+        # caller's setting wins; TP 2's ranks have their cores bound (above), no default of ours.
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        physical = {"n": 8}
+        monkeypatch.setattr("psutil.cpu_count", lambda logical=True: physical["n"] if not logical else 16)
         assert server.environment()["OMP_NUM_THREADS"] == "3"
+        physical["n"] = 2                                  # 4 CPUs of 2 hyperthreaded cores
+        assert server.environment()["OMP_NUM_THREADS"] == "2"
+        assert "OMP_NUM_THREADS" not in tp2.environment()
         monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0})
         assert server.environment()["OMP_NUM_THREADS"] == "1"
         monkeypatch.setenv("OMP_NUM_THREADS", "2")

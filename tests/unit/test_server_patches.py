@@ -3,6 +3,8 @@ what it names, fails loudly where upstream moved it, and computes what upstream'
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -30,3 +32,24 @@ def test_logprob_ranks_are_counted_eagerly_as_upstream_counts_them(monkeypatch: 
     monkeypatch.delattr(sampler, "batched_count_greater_than")
     with pytest.raises(RuntimeError, match="batched_count_greater_than is gone"):
         server_main._eager_logprob_ranks()
+
+
+def test_the_cpu_platform_hook_forks_the_engine_and_counts_ranks_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring: vLLM's CPU platform calls its config hook in the API process before it forks the
+    engine core (and again in the engine core); ours sets `fork` and patches the rank count there."""
+    from vllm.platforms import cpu
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs as upstream
+
+    from megatron_rl.rollout import server_main
+
+    seen: list[object] = []
+    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(lambda cls, c: seen.append(c)))
+    monkeypatch.setattr(sampler, "batched_count_greater_than", upstream.batched_count_greater_than)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    server_main._fork_engine_processes_on_cpu()
+    assert sampler.batched_count_greater_than is upstream.batched_count_greater_than      # not before the hook
+    cpu.CpuPlatform.check_and_update_config("config")
+    assert seen == ["config"]                                                             # upstream's hook ran
+    assert sampler.batched_count_greater_than is not upstream.batched_count_greater_than
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
