@@ -214,22 +214,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the steady-state median")
     parser.add_argument("--only", choices=SIDES)
-    parser.add_argument("--seeds", default="1234",
-                        help="comma-separated trainer seeds (prompt order, sampling), each side once per seed, "
-                             "interleaved; with ≥ 2 the end rewards' noise is measured (reward_last10)")
+    parser.add_argument("--seeds", help="comma-separated trainer seeds (prompt order, sampling; default: the "
+                                         "recipe's trainer.seed), each side once per seed, interleaved; with ≥ 2 "
+                                         "the end rewards' noise is measured (reward_last10)")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--child-trl", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, default=1234, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_trl:
         trl_child(args.steps, args.out, args.seed)
         return
     started = time.perf_counter()
+    seeds = None
+    if args.seeds is not None:
+        seeds = list(dict.fromkeys(int(x) for x in args.seeds.split(",") if x.strip()))   # each once: a run dir each
+        if not seeds:
+            parser.error("--seeds: at least one seed")
     paths = demo_paths()
-    seeds = list(dict.fromkeys(int(x) for x in args.seeds.split(",") if x.strip()))     # each once: a run dir each
-    if not seeds:
-        parser.error("--seeds: at least one seed")
+    seeds = seeds or [recipe_cfg(paths).trainer.seed]
     result: dict[str, Any] = {"job": str(RECIPE.relative_to(REPO)), "steps": args.steps, "warmup": args.warmup,
                               "seeds": seeds, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                               "settings_not_equal": SETTINGS_NOT_EQUAL}

@@ -462,15 +462,15 @@ def _lost_a_port(log: str) -> bool:
                for line in log.splitlines())
 
 
-def cpu_engine_threads(physical: int | None = None) -> int:
+def cpu_engine_threads() -> int:
     """OpenMP threads of a TP 1 server's engine on CPU: every CPU of this process but one, which
-    is the API process's, and no more than the machine's physical cores (`physical`, default
-    psutil's count: torch's own default, and one thread per core as vLLM's CPU binding has it;
-    two threads on the siblings of one core slow each other down)."""
+    is the API process's, and no more than the machine's physical cores (psutil's count: torch's
+    own default, and one thread per core as vLLM's CPU binding has it; two threads on the
+    siblings of one core slow each other down)."""
     import psutil
 
-    cores = physical or psutil.cpu_count(logical=False) or len(os.sched_getaffinity(0))
-    return max(1, min(len(os.sched_getaffinity(0)) - 1, cores))
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, min(cpus - 1, psutil.cpu_count(logical=False) or cpus))
 
 
 def cpu_thread_binding(ranks: int) -> str:

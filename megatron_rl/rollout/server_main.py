@@ -162,21 +162,17 @@ def _eager_logprob_ranks() -> None:
     (`batched_count_greater_than`, vllm/v1/sample/ops/logprobs.py), which inductor compiles on the
     first request of every new server process (hashing torch's sources for its cache key, probing
     the compiler, loading the kernel): 1.8 s before the first request of each start or restart
-    here, whose own generation takes 0.11 s. Its eager body counts the same integers, through a
-    [tokens, vocab] bool temporary that the compiled kernel avoids (a quarter of the fp32 log-probs
-    it compares, freed at once)."""
+    here, whose own generation takes 0.11 s. The sampler calls upstream's own body instead, run
+    eagerly: the same integers, through a [tokens, vocab] bool temporary that the compiled kernel
+    avoids (a quarter of the fp32 log-probs it compares, freed at once)."""
     from vllm.v1.sample import sampler
 
+    body = getattr(getattr(sampler, "batched_count_greater_than", None), "__wrapped__", None)
     # Upstream moved it, or stopped calling it by this name: say so, loudly.
-    if not hasattr(sampler, "batched_count_greater_than") or \
-            "batched_count_greater_than" not in sampler.Sampler.gather_logprobs.__code__.co_names:
+    if body is None or "batched_count_greater_than" not in sampler.Sampler.gather_logprobs.__code__.co_names:
         raise RuntimeError("vllm.v1.sample.sampler.batched_count_greater_than is gone or no longer called by "
                            "Sampler.gather_logprobs (server_main.py patches it)")
-
-    def batched_count_greater_than(x: Any, values: Any) -> Any:
-        return (x >= values).sum(-1)
-
-    sampler.batched_count_greater_than = batched_count_greater_than
+    sampler.batched_count_greater_than = body
 
 
 def main() -> None:
