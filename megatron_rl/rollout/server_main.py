@@ -166,10 +166,14 @@ def _eager_logprob_ranks() -> None:
     eagerly: the same integers, through a [tokens, vocab] bool temporary that the compiled kernel
     avoids (a quarter of the fp32 log-probs it compares, freed at once)."""
     from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
 
-    body = getattr(getattr(sampler, "batched_count_greater_than", None), "__wrapped__", None)
+    # From its own module, which keeps the compiled one: the hook runs again in the engine core
+    # (after its handshake), where the sampler's name is already the body.
+    body = getattr(getattr(logprobs, "batched_count_greater_than", None), "__wrapped__", None)
     # Upstream moved it, or stopped calling it by this name: say so, loudly.
-    if body is None or "batched_count_greater_than" not in sampler.Sampler.gather_logprobs.__code__.co_names:
+    if body is None or not hasattr(sampler, "batched_count_greater_than") or \
+            "batched_count_greater_than" not in sampler.Sampler.gather_logprobs.__code__.co_names:
         raise RuntimeError("vllm.v1.sample.sampler.batched_count_greater_than is gone or no longer called by "
                            "Sampler.gather_logprobs (server_main.py patches it)")
     sampler.batched_count_greater_than = body

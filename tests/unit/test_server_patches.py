@@ -18,6 +18,8 @@ def test_logprob_ranks_are_counted_eagerly_as_upstream_counts_them(monkeypatch: 
     monkeypatch.setattr(sampler, "batched_count_greater_than", upstream.batched_count_greater_than)
     server_main._eager_logprob_ranks()
     patched = sampler.batched_count_greater_than
+    server_main._eager_logprob_ranks()      # vLLM's CPU hook runs in the API process and in the engine core
+    assert sampler.batched_count_greater_than is patched
     assert patched is not upstream.batched_count_greater_than and not hasattr(patched, "_torchdynamo_orig_callable")
     # Upstream's own body (what torch.compile compiles), run as written.
     body = upstream.batched_count_greater_than._torchdynamo_orig_callable
@@ -50,6 +52,7 @@ def test_the_cpu_platform_hook_forks_the_engine_and_counts_ranks_eagerly(monkeyp
     server_main._fork_engine_processes_on_cpu()
     assert sampler.batched_count_greater_than is upstream.batched_count_greater_than      # not before the hook
     cpu.CpuPlatform.check_and_update_config("config")
-    assert seen == ["config"]                                                             # upstream's hook ran
+    cpu.CpuPlatform.check_and_update_config("config")              # again, as in the forked engine core
+    assert seen == ["config", "config"]                                                   # upstream's hook ran
     assert sampler.batched_count_greater_than is not upstream.batched_count_greater_than
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
