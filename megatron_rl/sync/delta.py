@@ -24,6 +24,7 @@ place, as a dense round does).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -197,3 +198,23 @@ class DeltaRound:
                 old[idx.long()] = values
         self.staged = []
         self.stats.seconds["apply_s"] += time.perf_counter() - start
+
+
+def apply_rows(segments: list[torch.Tensor], tensors: list[list[Any]], rows: list[list[Any]],
+               files: list[torch.Tensor]) -> None:
+    """A delta round's patches (`PatchEntry.row`s, in the patch `files`) into another node's copy
+    of the segments (`tensors`: its entries [name, dtype, shape, segment, offset]), as
+    `DeltaRound.apply` does into rank 0's (`network.py`: each rollout node's receiver)."""
+    where = {t[0]: (t[3], t[4]) for t in tensors}
+    for name, dtype, shape, index_dtype, count, (iseg, ioff), (vseg, voff) in rows:
+        if name not in where:
+            raise KeyError(f"a patch of {name!r}, which this node's copy does not hold")
+        seg, offset = where[name]
+        dt = getattr(torch, dtype)
+        old = segments[seg][offset:offset + math.prod(shape) * dt.itemsize].view(dt)
+        values = files[vseg][voff:voff + count * dt.itemsize].view(dt)
+        if index_dtype is None:
+            old.copy_(values)
+        else:
+            it = getattr(torch, index_dtype)
+            old[files[iseg][ioff:ioff + count * it.itemsize].view(it).long()] = values

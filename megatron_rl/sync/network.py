@@ -41,12 +41,15 @@ import torch.distributed as dist
 
 from ..rollout.engines import MOE_LOAD
 from ..rollout.engines.loaded import views
+from .delta import DeltaStats, Mode, apply_rows
 from .nodes import NodeCopy, copy_problem
 from .routes import EngineServer
-from .shm import ALIGN, SegmentWriter, ShmLink, load_everywhere
+from .shm import ALIGN, PatchFiles, SegmentWriter, SharedSegmentTransport, ShmLink, load_everywhere
 
-BUCKET, FINISH, ABORT = 1, 2, 3
+BUCKET, FINISH, ABORT, PATCH, DENSE = 1, 2, 3, 4, 5
 CLOSE = "close"
+DELTA = "delta"
+"""A round key's second word: a delta round (`NetworkCopyTransport`)."""
 """What the round key says when the trainer is done (the receiver returns)."""
 POLL_S = 0.2
 
@@ -139,37 +142,60 @@ class NodeCopyReceiver:
     def __init__(self, group: CopyGroup, segment_bytes: int, shm: Path | None = None) -> None:
         self.group = group
         self.writer = SegmentWriter(None, segment_bytes, shm=shm)
+        self.patches: PatchFiles | None = None
         self.round = 0
+        self.failed = False
+        """This node's copy of the current round is not whole (its report said why)."""
 
     def serve(self) -> None:
         """Receive versions until the trainer closes the group; raises when the trainer is gone
         (its store stops answering, or a collective fails or passes its deadline)."""
         try:
             while True:
-                key = f"round-{self.round + 1}"
-                while not self.group.store.check([key]):       # raises once rank 0's store is gone
-                    time.sleep(POLL_S)
-                said = self.group.store.get(key).decode()
+                said = self._wait(f"round-{self.round + 1}")
                 if said == CLOSE:
                     return
                 self.round += 1
-                self.receive(int(said))
+                version, _, kind = said.partition(" ")
+                if self.receive(int(version), kind == DELTA):
+                    self.settle()
         finally:
+            if self.patches is not None:
+                self.patches.close()
             self.writer.close()
 
-    def receive(self, version: int) -> None:
-        """One version: buckets up to FINISH (or ABORT), then this node's report to rank 0."""
-        self.writer.begin(version)
+    def _wait(self, key: str) -> str:
+        """The store's value of `key`, once rank 0 has set it (a step, or the servers' load, may
+        take longer than any collective's deadline); raises once rank 0's store is gone."""
+        while not self.group.store.check([key]):
+            time.sleep(POLL_S)
+        return str(self.group.store.get(key).decode())
+
+    def receive(self, version: int, delta: bool) -> bool:
+        """One version: buckets (a delta round: its patch files) up to FINISH, then this node's
+        report to rank 0. False if rank 0 aborted the round (nothing of it is kept)."""
+        if delta:
+            if self.writer.latest is None or self.writer.dir is None:
+                raise RuntimeError(f"a delta round for version {version}, but this node holds no version")
+            self.patches = self.patches or PatchFiles(self.writer.dir, self.writer.segment_bytes)
+            self.patches.begin()
+        else:
+            self.writer.begin(version)
         error: str | None = None
         names: list[str] = []
         buffer: torch.Tensor | None = None
         while True:
             op, meta, nbytes = self.group.header()
             if op == ABORT:
-                self.writer.abort()
-                return
+                if not delta:
+                    self.writer.abort()
+                return False
             if op == FINISH:
                 break
+            if op == DENSE:                 # rank 0's stream turned dense: the new version, whole
+                delta = False
+                self.writer.begin(version)
+                continue
             entries = torch.empty(meta, dtype=torch.uint8)
             self.group.broadcast(entries)
             if buffer is None or buffer.numel() < nbytes:
@@ -178,50 +204,122 @@ class NodeCopyReceiver:
             self.group.broadcast(data)
             if error is None:
                 try:
-                    tensors = dict(views(json.loads(bytes(entries.numpy())), [data]))
-                    self.writer.send_bucket(tensors)
-                    names += tensors
+                    names += self._write(op, json.loads(bytes(entries.numpy())), data)
                 except Exception as exc:  # noqa: BLE001 -- reported to rank 0 below, raised there
                     error = f"{type(exc).__name__}: {exc}"
-        report: dict[str, Any] = {"rank": self.group.rank, "pid": os.getpid(), "error": error}
-        if error is None:
-            try:
+        report = self._report(delta, names, error)
+        self.failed = report["error"] is not None
+        self.group.all_gather_json(report)
+        return True
+
+    def _write(self, op: int, meta: Any, data: torch.Tensor) -> list[str]:
+        if op == PATCH:                     # [file, size]: a patch file of rank 0's, as it is there
+            assert self.patches is not None, "patches come in delta rounds"
+            self.patches.put(int(meta[0]), int(meta[1]), data.cpu())
+            return []
+        tensors = dict(views(meta, [data]))
+        self.writer.send_bucket(tensors)
+        return list(tensors)
+
+    def _report(self, delta: bool, names: list[str], error: str | None) -> dict[str, Any]:
+        """This node's copy of the round (a dense one sealed; a delta one: its segments, still the
+        previous version, and its patch files), or why not."""
+        report: dict[str, Any] = {"rank": self.group.rank, "pid": os.getpid(), "error": error, "delta": delta}
+        if error is not None:
+            return report
+        try:
+            if delta:
+                assert self.writer.latest is not None and self.patches is not None
+                self.patches.trim()
+                base = json.loads(self.writer.latest[1])
+                report.update(segments=base["segments"], tensors=base["tensors"],
+                              patch_segments=self.patches.manifest(), dir=str(self.writer.dir))
+            else:
                 manifest, _ = self.writer.seal(names)
                 report.update(manifest=manifest, dir=str(self.writer.dir))
-            except Exception as exc:      # noqa: BLE001 -- as above
-                report["error"] = f"{type(exc).__name__}: {exc}"
-        self.group.all_gather_json(report)
+        except Exception as exc:      # noqa: BLE001 -- as above
+            report["error"] = f"{type(exc).__name__}: {exc}"
+        return report
+
+    def settle(self) -> None:
+        """After every server's load: a delta round's patches into this node's segments, which then
+        hold the new version (rank 0 says which, `apply-<round>`); rank 0 gathers that it did."""
+        spec = json.loads(self._wait(f"apply-{self.round}"))
+        error = None
+        if self.failed:         # this node's copy of the round is not whole: the next one is dense
+            self.writer.latest, self.writer.overwritten = None, True
+        elif spec.get("patches"):
+            try:
+                assert self.writer.latest is not None and self.patches is not None
+                apply_rows([f.bytes for f in self.writer.files], json.loads(self.writer.latest[1])["tensors"],
+                           spec["patches"], [f.bytes for f in self.patches.files])
+                self.writer.latest = (int(spec["version"]), self.writer.latest[1], self.writer.latest[2])
+            except Exception as exc:  # noqa: BLE001 -- reported to rank 0, raised there
+                error = f"{type(exc).__name__}: {exc}"
+                self.writer.latest, self.writer.overwritten = None, True
+        self.group.all_gather_json({"rank": self.group.rank, "error": error})
 
 
 class NetworkCopyTransport:
     """Trainer rank 0: streams every version to the rollout nodes' receivers and drives every
-    server. `servers[k]` reads the copy of receiver k + 1 (its node's)."""
+    server. `servers[k]` reads the copy of receiver k + 1 (its node's).
+
+    With `delta` (`rollout.sync_delta`), rank 0 keeps its own copy of the last version sent in its
+    host's /dev/shm (`shadow`: a `SharedSegmentTransport` with no servers, the comparison of
+    `delta.py`), which every receiver's copy equals byte for byte. A delta round streams nothing
+    while the tensors come: at the end it sends the round's patch files, every server loads its
+    node's segments (the previous version) with them, and then every receiver and the shadow write
+    the patches into their segments. A stream that turns dense (`DeltaRound.matches`) is sent
+    whole at the end, from the shadow, which then holds it."""
 
     def __init__(self, servers: Sequence[EngineServer], group: CopyGroup, *, segment_bytes: int,
-                 moe_load: str = MOE_LOAD) -> None:
+                 moe_load: str = MOE_LOAD, delta: Mode = "off", dense_every: int = 20) -> None:
         if group.rank != 0 or group.world != len(servers) + 1:
             raise ValueError(f"rank 0 of a group of 1 + {len(servers)} receivers, one per server; got rank "
                              f"{group.rank} of {group.world}")
         self.group, self.capacity = group, segment_bytes
         self.copies = [NodeCopy(k) for k in range(len(servers))]
         self.links = [ShmLink(copy, s, {"moe_load": moe_load}) for copy, s in zip(self.copies, servers)]
+        self.shadow = SharedSegmentTransport([], segment_bytes=segment_bytes, delta=delta, dense_every=dense_every) \
+            if delta != "off" else None
         self.round = self.version = 0
         self.buckets = 0
         self.entries: list[list[Any]] = []
         self.used = 0
         self._buffer: torch.Tensor | None = None
-        self.streaming = False
+        self.streaming = self.delta = False
+
+    @property
+    def stats(self) -> DeltaStats | None:
+        """The last round's `sync/bytes`, `sync/changed_frac`, `sync/dense` (with a shadow)."""
+        return self.shadow.stats if self.shadow is not None else None
 
     def begin(self, version: int) -> None:
+        self.delta = False
+        if self.shadow is not None:
+            # Every node's copy must be the shadow's version, or the patches would not fit it.
+            held = self.shadow.latest[0] if self.shadow.latest is not None else None
+            if any(c.latest is None or c.latest[0] != held for c in self.copies):
+                self.shadow.policy.dense_next = True
+            self.shadow.begin(version)
+            self.delta = self.shadow.delta is not None
         self.round += 1
-        self.group.store.set(f"round-{self.round}", str(version))
+        self.group.store.set(f"round-{self.round}", f"{version} {DELTA}" if self.delta else str(version))
         self.version, self.entries, self.used, self.buckets, self.streaming = version, [], 0, 0, True
-        for copy in self.copies:          # the receivers rewrite theirs in place as the stream arrives
-            copy.overwritten = copy.latest is not None or copy.overwritten
-            copy.latest = None
+        if not self.delta:                # the receivers rewrite theirs in place as the stream arrives
+            for copy in self.copies:
+                copy.overwritten = copy.latest is not None or copy.overwritten
+                copy.latest = None
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copies the tensors now (into the bucket buffer; one larger than a bucket goes alone)."""
+        """Copies the tensors now (into the shadow, the bucket buffer; one larger than a bucket goes
+        alone). A delta round only compares them with the shadow."""
+        if self.shadow is not None:
+            self.shadow.send_bucket(tensors)
+        if not self.delta:
+            self._stream(tensors)
+
+    def _stream(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             if _aligned(self.used) + t.nbytes > self.capacity:
                 self._flush()
@@ -244,9 +342,9 @@ class NetworkCopyTransport:
             self._send(self.entries, self._bucket()[:self.used])
         self.entries, self.used = [], 0
 
-    def _send(self, entries: list[list[Any]], data: torch.Tensor) -> None:
+    def _send(self, entries: Any, data: torch.Tensor, op: int = BUCKET) -> None:
         meta = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
-        self._collective(self.group.header, BUCKET, len(meta), len(data))
+        self._collective(self.group.header, op, len(meta), len(data))
         self._collective(self.group.broadcast, meta)
         self._collective(self.group.broadcast, data)
         self.buckets += 1
@@ -261,23 +359,76 @@ class NetworkCopyTransport:
                                f"{self.version}: {exc} (a receiver died or hung; its server keeps its last "
                                "loaded weights)") from exc
 
+    def _stream_round(self, names: list[str]) -> str | None:
+        """What a delta round streams at its end: its patch files, or (turned dense) the new version
+        whole from the shadow. Returns the shadow's delta manifest, or None (dense)."""
+        assert self.shadow is not None
+        manifest, _ = self.shadow.seal(names)
+        if self.shadow.delta is not None:
+            assert self.shadow.patch_area is not None
+            for k, (size, data) in enumerate(self.shadow.patch_area.used()):
+                self._send([k, size], data.to(self.group.device), PATCH)
+            return manifest
+        self._collective(self.group.header, DENSE)
+        for copy in self.copies:            # rewritten in place from here, as in a dense round
+            copy.overwritten, copy.latest = copy.latest is not None or copy.overwritten, None
+        for name, t in views(self.shadow.tensors, [f.bytes for f in self.shadow.files]):
+            self._stream({name: t})
+        return None
+
     def finish(self, names: list[str]) -> dict[str, Any]:
+        delta = self._stream_round(names) if self.delta else None
+        if self.shadow is not None and not self.delta:
+            self.shadow.seal(names)
         self._flush()
         self._collective(self.group.header, FINISH)
         self.streaming = False
         reports = self._collective(self.group.all_gather_json, {"rank": 0})[1:]
-        problems = [copy_problem(f"rollout node {k} (receiver pid {r.get('pid')})", r, names)
+        landed = False
+        try:
+            manifests = self._manifests(reports, names, delta)
+            results = load_everywhere(self.links, self.version, manifests)
+            landed = True
+        finally:
+            self._settle(delta, landed)
+        return {**results[0], "servers": len(results), "receivers": len(reports), "buckets": self.buckets}
+
+    def _manifests(self, reports: list[dict[str, Any]], names: list[str], delta: str | None) -> list[str]:
+        """Each server's manifest (its node's files), once every node's copy is whole."""
+        problems = [copy_problem(f"rollout node {k} (receiver pid {r.get('pid')})",
+                                 r if not r.get("delta") else {**r, "manifest": json.dumps(r)}, names)
                     for k, r in enumerate(reports)]
         if any(problems):
             raise RuntimeError("weight sync: " + "; ".join(p for p in problems if p))
-        for copy, r in zip(self.copies, reports):
-            copy.latest, copy.overwritten = (self.version, r["manifest"], Path(r["dir"])), False
-        results = load_everywhere(self.links, self.version, [r["manifest"] for r in reports])
-        return {**results[0], "servers": len(results), "receivers": len(reports), "buckets": self.buckets}
+        if delta is None:
+            for copy, r in zip(self.copies, reports):
+                copy.latest, copy.overwritten = (self.version, r["manifest"], Path(r["dir"])), False
+            return [r["manifest"] for r in reports]
+        rows = json.loads(delta)["patches"]
+        return [json.dumps({"segments": r["segments"], "tensors": r["tensors"],
+                            "patch_segments": r["patch_segments"], "patches": rows}) for r in reports]
+
+    def _settle(self, delta: str | None, landed: bool) -> None:
+        """After the loads: the receivers and the shadow take a delta round's patches (every
+        receiver is told, also after a failure, so that the group stays in step)."""
+        spec = {"version": self.version, "patches": json.loads(delta)["patches"] if delta else []}
+        self.group.store.set(f"apply-{self.round}", json.dumps(spec))
+        if self.shadow is not None:
+            self.shadow.settle(landed)
+        acks = self._collective(self.group.all_gather_json, {"rank": 0})[1:]
+        failed = [f"rollout node {k}: {a['error']}" for k, a in enumerate(acks) if a["error"]]
+        for copy, ack in zip(self.copies, acks):
+            if delta is not None and copy.latest is not None:
+                copy.latest = None if ack["error"] else (self.version, copy.latest[1], copy.latest[2])
+                copy.overwritten = copy.overwritten or bool(ack["error"])
+        if failed:
+            raise RuntimeError("weight sync: the patches could not be applied on " + "; ".join(failed))
 
     def abort(self) -> None:
         """The receivers drop the version (after a failed gather on rank 0's side); nothing if the
         stream itself failed (its group is broken)."""
+        if self.shadow is not None:
+            self.shadow.abort()
         if self.streaming:
             self.streaming = False
             try:
@@ -287,6 +438,8 @@ class NetworkCopyTransport:
 
     def close(self) -> None:
         """The receivers return (their copies go with them)."""
+        if self.shadow is not None:
+            self.shadow.close()
         self.group.store.set(f"round-{self.round + 1}", CLOSE)
 
 

@@ -130,16 +130,33 @@ class PatchFiles:
     def write(self, data: torch.Tensor) -> tuple[int, int]:
         """`data` (uint8) at the next aligned place: (file, offset)."""
         seg, offset = self.layout.place(data.numel())
-        size = max(self.capacity, self.layout.sizes[seg])
+        f = self._file(seg, max(self.capacity, self.layout.sizes[seg]))
+        f.reserve(offset, data.numel())
+        f.bytes[offset:offset + data.numel()].copy_(data)
+        return seg, offset
+
+    def _file(self, seg: int, size: int) -> _MappedFile:
+        """Patch file `seg` (the next new one, or an existing one) with room for `size` bytes."""
         if seg == len(self.files):
             self.files.append(self._mapped(self.dir / f"patch-{seg:05d}.bin", size))
         elif self.files[seg].size < size:
             self.files[seg].close()
             self.files[seg] = self._mapped(self.dir / f"patch-{seg:05d}.bin", size)
-        f = self.files[seg]
-        f.reserve(offset, data.numel())
-        f.bytes[offset:offset + data.numel()].copy_(data)
-        return seg, offset
+        return self.files[seg]
+
+    def put(self, seg: int, size: int, data: torch.Tensor) -> None:
+        """File `seg` (the next one) as another node's: `size` bytes, `data` (uint8) from its start,
+        so that its patches' places are the same here (`network.py`)."""
+        if seg != len(self.layout.sizes):
+            raise ValueError(f"patch file {seg} out of order ({len(self.layout.sizes)} expected)")
+        self.layout.sizes.append(data.numel())
+        f = self._file(seg, size)
+        f.reserve(0, data.numel())
+        f.bytes[:data.numel()].copy_(data)
+
+    def used(self) -> list[tuple[int, torch.Tensor]]:
+        """Per file of this round: its size and the bytes written into it."""
+        return [(f.size, f.bytes[:n]) for f, n in zip(self.files, self.layout.sizes)]
 
     def view(self, at: tuple[int, int], count: int, dtype: torch.dtype) -> torch.Tensor:
         seg, offset = at
@@ -446,20 +463,25 @@ class SharedSegmentTransport(SegmentWriter):
             results = load_everywhere(self.links, self.version, [manifest] * len(self.links))
             landed = True
         finally:
-            if self.delta is not None:      # the segments now take the patches: the latest version
-                assert self.dir is not None
-                self.delta.apply()
-                self.latest, self.overwritten = (self.version, self._manifest(), self.dir), False
-            if self.stats.dense:
-                self.stats.bytes = sum(math.prod(t[2]) * getattr(torch, t[1]).itemsize for t in self.tensors)
-                self.stats.changed = self.stats.elements = 1
-            self.policy.done(dense=self.delta is None)
-            # A round that failed somewhere may have left a server with part of it: dense next.
-            self.policy.dense_next = not landed
-            self.delta = None
+            self.settle(landed)
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
         return {**results[0], "servers": len(results)}
+
+    def settle(self, landed: bool) -> None:
+        """After the servers' loads (`landed`: every one of them loaded the round): a delta round's
+        patches go into the segments, which then hold the new version; the round's metrics; a
+        round that failed somewhere may have left a server with part of it, so the next is dense."""
+        if self.delta is not None:
+            assert self.dir is not None
+            self.delta.apply()
+            self.latest, self.overwritten = (self.version, self._manifest(), self.dir), False
+        if self.stats.dense:
+            self.stats.bytes = sum(math.prod(t[2]) * getattr(torch, t[1]).itemsize for t in self.tensors)
+            self.stats.changed = self.stats.elements = 1
+        self.policy.done(dense=self.delta is None)
+        self.policy.dense_next = not landed
+        self.delta = None
 
     def abort(self) -> None:
         self.delta = None       # nothing of it reached the segments

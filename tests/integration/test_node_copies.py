@@ -54,15 +54,27 @@ def test_a_rollout_nodes_copy_arrives_over_gloo_into_its_shm(demo_weights_server
         transport.send_bucket({n: state[n] for n in names[:half]})
         transport.send_bucket({n: state[n] for n in names[half:]})
         report = transport.finish(names)
-        assert report["version"] == version and report["buckets"] > 10, report
+        dense = transport.stats is None or transport.stats.dense
+        assert report["version"] == version and (report["buckets"] > 10 or not dense), report
         return compare({n: tensor_digest(x) for n, x in state.items()},
                        [(server.base_url, server.rpc("mrl_digests"))]).differ
 
     transport = NetworkCopyTransport([server], CopyGroup(CopyGroupAddress("127.0.0.1", port, 2, 60.0), 0),
-                                     segment_bytes=64 << 10)   # the 128 KiB embeddings go alone
+                                     segment_bytes=64 << 10,   # the 128 KiB embeddings go alone
+                                     delta="auto")
     try:
         assert sync(3_000_001, v1) == {}
-        assert sync(3_000_002, v2) == {}                          # in place again, the new weights
+        # A sparse delta round, then one where every element moved (each tensor's patch whole): the
+        # server applies its node's patch files through vLLM's own patch loader.
+        sparse = {n: x.clone() for n, x in v1.items()}
+        for n in names[:3]:
+            sparse[n].view(-1)[::97] += 0.01                      # ~1 % of three tensors' elements
+        assert sync(3_000_002, sparse) == {}
+        assert transport.stats is not None and not transport.stats.dense
+        assert transport.stats.report()["changed_frac"] < 0.01
+        assert sync(3_000_003, v2) == {}                          # the new weights
+        assert transport.stats is not None and not transport.stats.dense     # whole patches, each
+        assert transport.stats.bytes == sum(x.nbytes for x in v2.values())
         link = transport.links[0]
         assert link.latest is not None
         segments = [p for p, _ in json.loads(link.latest[1])["segments"]]
@@ -72,7 +84,7 @@ def test_a_rollout_nodes_copy_arrives_over_gloo_into_its_shm(demo_weights_server
         # The server restarted: brought back from its node's copy, which the receiver holds.
         server.rpc("mrl_digest_arm")
         again = link.resend_latest()
-        assert again is not None and again["version"] == 3_000_002
+        assert again is not None and again["version"] == 3_000_003
         assert compare({n: tensor_digest(x) for n, x in v2.items()},
                        [(server.base_url, server.rpc("mrl_digests"))]).differ == {}
         # A receiver that dies alone: the next sync fails at once, naming what failed.
@@ -80,10 +92,10 @@ def test_a_rollout_nodes_copy_arrives_over_gloo_into_its_shm(demo_weights_server
         receiver.wait()
         start = time.monotonic()
         try:
-            sync(3_000_003, v1)
+            sync(3_000_004, v1)
             raise AssertionError("a sync to a dead receiver went through")
         except RuntimeError as exc:
-            assert "receivers (1) failed at version 3000003" in str(exc), exc
+            assert "receivers (1) failed at version 3000004" in str(exc), exc
         assert time.monotonic() - start < 30
     finally:
         if receiver.poll() is None:

@@ -6,6 +6,7 @@ both; closing the group ends the receivers and removes their copies."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -85,3 +86,100 @@ def test_each_node_gets_its_copy_and_a_failing_one_is_named(tmp_path: Path) -> N
             t.join(timeout=30)
     assert not errors and not any(t.is_alive() for t in threads), errors
     assert not list((tmp_path / "node1").iterdir()) and not list((tmp_path / "node2").iterdir())
+
+
+def _receivers(tmp_path: Path, address: CopyGroupAddress, ranks: tuple[int, ...],
+               errors: list[BaseException]) -> tuple[dict[int, NodeCopyReceiver], list[threading.Thread]]:
+    receivers: dict[int, NodeCopyReceiver] = {}
+
+    def receive(rank: int) -> None:
+        try:
+            (tmp_path / f"node{rank}").mkdir()
+            receivers[rank] = NodeCopyReceiver(CopyGroup(address, rank), BUCKET, tmp_path / f"node{rank}")
+            receivers[rank].serve()
+        except BaseException as exc:   # noqa: BLE001 -- the test asserts there was none
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receive, args=(k,), daemon=True) for k in ranks]
+    for t in threads:
+        t.start()
+    return receivers, threads
+
+
+def test_delta_rounds_send_the_patches_to_every_node_whose_copy_then_holds_the_new_version(tmp_path: Path) -> None:
+    """`rollout.sync_delta` over the network: rank 0 compares with its own host copy (the shadow),
+    sends only the patches, every server loads its node's previous version with them, and every
+    node's copy is then the new version byte for byte (what a restarted server is brought back from)."""
+    from megatron_rl.rollout.engines.loaded import views
+    from tests.unit.test_sync_delta import _digests, _model, _step
+    from tests.unit.test_sync_shm import EngineRecorder
+
+    address = CopyGroupAddress("127.0.0.1", free_port("127.0.0.1"), 3, 30.0)
+    errors: list[BaseException] = []
+    receivers, threads = _receivers(tmp_path, address, (1, 2), errors)
+    servers = [EngineRecorder("node1"), EngineRecorder("node2")]
+    transport = NetworkCopyTransport(servers, CopyGroup(address, 0), segment_bytes=BUCKET, delta="auto",
+                                     dense_every=10)
+
+    def sync(version: int, state: dict[str, torch.Tensor]) -> None:
+        transport.begin(version)
+        names = list(state)
+        for start in range(0, len(names), 2):
+            transport.send_bucket({n: state[n] for n in names[start:start + 2]})
+        transport.finish(names)
+
+    def node_copy(k: int) -> dict[str, torch.Tensor]:
+        latest = transport.copies[k].latest
+        assert latest is not None
+        spec = json.loads(latest[1])
+        files = [torch.frombuffer(bytearray(Path(p).read_bytes()[:size]), dtype=torch.uint8)
+                 for p, size in spec["segments"]]
+        return dict(views(spec["tensors"], files))
+
+    try:
+        v1 = _model(0)
+        sync(1, v1)
+        assert transport.stats is not None and transport.stats.dense
+        dense_bytes = transport.stats.bytes
+        v2 = _step(v1, 0.03, 1)
+        buckets_dense = transport.buckets
+        sync(2, v2)
+        stats = transport.stats
+        assert not stats.dense and stats.bytes <= 0.10 * dense_bytes, (stats.bytes, dense_bytes)
+        assert transport.buckets < buckets_dense                      # the patch files, not the tensors
+        for k, server in enumerate(servers):
+            assert server.patched == 4 and server.version == 2        # the norm did not change
+            assert _digests(server.loaded) == _digests(v2)            # every tensor, bit for bit
+            assert all(Path(p).parent.parent == tmp_path / f"node{k + 1}" for p, _ in server.manifests[-1]["segments"])
+            assert _digests(node_copy(k)) == _digests(v2)             # the node's copy took the patches
+        assert transport.copies[0].latest is not None and transport.copies[0].latest[0] == 2
+        servers[1].restarts += 1                                      # restarted: its node's copy, whole
+        assert transport.links[1].resend_latest() is not None and servers[1].patched == 0
+        assert _digests(servers[1].loaded) == _digests(v2)
+        # A stream unlike the last one (a tensor fewer) turns dense: sent whole at the end.
+        v3 = {n: t for n, t in _step(v2, 0.03, 2).items() if n != "model.norm.weight"}
+        sync(3, v3)
+        assert transport.stats.dense and all(_digests(s.loaded) == _digests(v3) for s in servers)
+        assert all(_digests(node_copy(k)) == _digests(v3) for k in range(2))
+        # A node whose patch files cannot be written is named; the next round is dense and lands.
+        v4 = _step(v3, 0.03, 3)
+        failing = receivers[2].patches
+        assert failing is not None
+
+        def full(*args: object) -> None:
+            raise OSError(28, "No space left on device (simulated)")
+
+        failing.put = full                                            # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match=r"rollout node 1 \(receiver pid \d+\): OSError.*No space left"):
+            sync(4, v4)
+        assert servers[1].version == 3
+        del failing.put
+        sync(5, v4)
+        assert transport.stats.dense and all(_digests(s.loaded) == _digests(v4) for s in servers)
+        sync(6, _step(v4, 0.03, 4))
+        assert not transport.stats.dense
+    finally:
+        transport.close()
+        for t in threads:
+            t.join(timeout=30)
+    assert not errors and not any(t.is_alive() for t in threads), errors
