@@ -9,10 +9,12 @@ the fault or at the end, their ports that no longer bind, the listening sockets 
 run that were not on loopback, and /dev/shm files and temp dirs left behind.
 
     python bench/faults.py [--kinds group,api,engine,worker,stop] [--tp 2] [--steps N] [--seed 0]
-                           [--max-staleness K | --delta] [--out DIR] [--json-out FILE]
+                           [--max-staleness K] [--delta] [--out DIR] [--json-out FILE]
 
 `--delta` trains in bf16 at lr 1e-6 with `rollout.sync_delta: on`, so that the syncs the faults
-land in are sparse patches (`sync_rounds` in the JSON counts them).
+land in are sparse patches (`sync_rounds` in the JSON counts them); with `--max-staleness` too,
+while the servers generate ahead (the trainer's own server reads its segments in this node's
+/dev/shm, the same delta rounds as a rollout node's copy, `sync/network.py`).
 
 Faults other than "group" run the server in vLLM's multiprocess layout (an engine core and a
 worker beside the API process, as on a GPU), which a CPU server of one rank otherwise does not
@@ -679,10 +681,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.phases or set(args.phases) - set(PARTIAL_PHASES):
         ap.error(f"--phases: choose from {', '.join(PARTIAL_PHASES)}")
     args.steps = args.steps or max(20 if "group" in args.kinds else 0, steps_needed(args.kinds, args.phases))
-    if args.delta and args.max_staleness:
-        # config/rules.py: asynchronous rollout needs disaggregated servers, whose syncs read a new
-        # directory of the shared run dir every update (`delta_sync_where`): whole, never deltas.
-        ap.error("--delta with --max-staleness: asynchronous rollout runs disaggregated, where syncs go whole")
     return args
 
 

@@ -193,11 +193,12 @@ def sync_traffic(senders: Sequence[ShmSender], server_nodes_: Sequence[int], upd
     return out
 
 
-NODE_COPY_RECEIVERS = False
+NODE_COPY_RECEIVERS = True
 """Whether a disaggregated job runs a weight-copy receiver (`sync/network.py`) beside each rollout
-node's server. Not yet: the sbatch script's `rollout-server` steps start none and the trainer does
-not open the receivers' group, so the `shm` syncs of a disaggregated recipe go through the shared
-run directory, the fallback."""
+node's server: the sbatch script starts every `rollout-server` of a `shm` recipe with
+`--weight-copy`, and trainer rank 0, finding the receivers beside the servers it attaches, sends
+every version over the network into their nodes' /dev/shm. Servers started without it (by hand)
+are fed through the shared run directory, the fallback."""
 
 WeightCopyKind = Literal["node_shm", "nodes_shm", "network", "shared_run_dir", "none"]
 

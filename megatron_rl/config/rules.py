@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..model_config import ModelConfigError, num_experts, read_hf_config, resolve_hf_config
-from ..topology import duplicate_gpus, nccl_weight_group
+from ..topology import duplicate_gpus, nccl_weight_group, weight_copy_path
 from .schema import RecipeConfig
 
 Level = Literal["error", "warning"]
@@ -259,13 +259,14 @@ def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
 def delta_sync_where(cfg: RecipeConfig) -> str | None:
     """Why this recipe's syncs cannot be deltas (`sync/delta.py`), or None: they can (weight
-    transfer `shm` to servers on the trainer's one node)."""
+    transfer `shm` to servers on the trainer's one node, or on rollout nodes that keep their copy
+    in their /dev/shm, `topology.weight_copy_path`)."""
     r = cfg.rollout
     if r.weight_transfer != "shm":
         return f"weight_transfer {r.weight_transfer!r} sends every version whole"
-    if r.placement == "disaggregated":
+    if r.placement == "disaggregated" and weight_copy_path(cfg).kind == "shared_run_dir":
         return "servers on rollout nodes read a new directory of the shared run dir every update"
-    if cfg.parallelism.nodes > 1:
+    if r.placement == "colocated" and cfg.parallelism.nodes > 1:
         return "a sender per node (colocated over several nodes) sends every version whole"
     if r.sleep_level == 2:
         return "a level-2 sleep drops the servers' weights, which every sync then refills whole"

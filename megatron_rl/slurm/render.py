@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config.schema import RecipeConfig
+from ..topology import weight_copy_path
 
 TEMPLATE_ENV = "MEGATRON_RL_SBATCH_TEMPLATE"
 """Environment variable naming a site's own template (same placeholders) instead of the default."""
@@ -245,6 +246,8 @@ def settings_lines(cfg: RecipeConfig, files: JobFiles) -> list[str]:
         ("TRAIN_NODES", str(p.nodes), "parallelism.nodes"),
         ("ROLLOUT_NODES", str(r.nodes if r.placement == "disaggregated" else 0),
          f"rollout.nodes (placement: {r.placement})"),
+        ("WEIGHT_COPY", "(--weight-copy)" if weight_copy_path(cfg).kind == "network" else "()",
+         "each rollout node keeps its copy of the weights in its /dev/shm (topology.weight_copy_path)"),
         ("PROCS_PER_NODE", str(p.gpus_per_node), "parallelism.gpus_per_node"),
         ("GPUS_EXPECTED", str(cfg.gpus_per_node), "slurm.gpus_per_node (0 = CPU job)"),
         ("CPUS_PER_TASK", str(s.cpus_per_task or 0), "slurm.cpus_per_task (0 = every CPU of the node)"),

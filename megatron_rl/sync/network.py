@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..ports import free_port
 from ..rollout.engines import MOE_LOAD
 from ..rollout.engines.loaded import views
 from .delta import DeltaStats, Mode, apply_rows
@@ -72,6 +74,8 @@ class CopyGroup:
 
     def __init__(self, address: CopyGroupAddress, rank: int, device: torch.device | None = None) -> None:
         self.rank, self.world, self.address = rank, address.world, address
+        self.address_file: Path | None = None
+        """Where rank 0 published the address (`open_copy_group`), removed at `close`."""
         self.device = device or torch.device("cpu")
         timeout = timedelta(seconds=address.timeout_s)
         self.store = dist.TCPStore(address.host, address.port, address.world, is_master=rank == 0, timeout=timeout)
@@ -440,6 +444,8 @@ class NetworkCopyTransport:
         """The receivers return (their copies go with them)."""
         if self.shadow is not None:
             self.shadow.close()
+        if self.group.address_file is not None:
+            self.group.address_file.unlink(missing_ok=True)
         self.group.store.set(f"round-{self.round + 1}", CLOSE)
 
 
@@ -448,3 +454,88 @@ def serve_node_copy(address: CopyGroupAddress, rank: int, segment_bytes: int, sh
     """A rollout node's receiver, start to end: join the group (at most `address.timeout_s`), keep
     this node's copy of every version until the trainer closes the group or is gone."""
     NodeCopyReceiver(CopyGroup(address, rank, device), segment_bytes, shm).serve()
+
+
+# ----------------------------------------------------------------------------- in a run
+ADDRESS_FILE = "weight_copy.json"
+"""Rank 0's group address, `$MEGATRON_RL_ROLLOUT_SERVERS/weight_copy.json` (a few hundred bytes of
+the shared run dir; the weights never go there)."""
+RECEIVER_FILE = "weight_copy_receiver.json"
+"""Beside a server's `server.json`: a receiver runs on that node (`rollout-server --weight-copy`)."""
+
+
+def announce_receiver(server_dir: Path) -> None:
+    """Before the server publishes itself: rank 0, seeing its server.json, sees this too."""
+    files = server_dir / "rollout"
+    files.mkdir(parents=True, exist_ok=True)
+    (files / RECEIVER_FILE).write_text(json.dumps({"pid": os.getpid(), "hostname": socket.gethostname()}) + "\n")
+
+
+def receivers_beside(server_dirs: Sequence[Path]) -> bool:
+    """Whether every published server has a receiver beside it (none: the shared run dir, the
+    fallback); some but not all is an error naming those without."""
+    have = [(Path(d) / "rollout" / RECEIVER_FILE).is_file() for d in server_dirs]
+    if all(have) or not any(have):
+        return bool(have) and all(have)
+    without = [Path(d).name for d, h in zip(server_dirs, have) if not h]
+    raise ValueError(f"rollout nodes {without} run no weight-copy receiver while the others do: start every "
+                     "rollout server with --weight-copy, or none")
+
+
+def open_copy_group(root: Path, server_dirs: Sequence[Path], host: str, timeout_s: float,
+                    device: torch.device) -> CopyGroup:
+    """Trainer rank 0: publish the group's address under `root` (`$MEGATRON_RL_ROLLOUT_SERVERS`),
+    receiver k + 1 for the server of `server_dirs[k]`, and wait (at most `timeout_s`) for all of
+    them to join. `device`: where rank 0's data is (CUDA: over NCCL, from each receiver's GPU 0)."""
+    address = CopyGroupAddress(host, free_port(host), 1 + len(server_dirs), timeout_s,
+                               free_port(host) if device.type == "cuda" else None)
+    spec = {"id": f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}", "host": host, "port": address.port,
+            "world": address.world, "timeout_s": timeout_s, "nccl_port": address.nccl_port,
+            "ranks": {Path(d).name: k + 1 for k, d in enumerate(server_dirs)}}
+    tmp = root / f".{ADDRESS_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(spec) + "\n")
+    tmp.replace(root / ADDRESS_FILE)
+    group = CopyGroup(address, 0, device)
+    group.address_file = root / ADDRESS_FILE
+    return group
+
+
+def receive_for(root: Path, name: str, segment_bytes: int, alive: Callable[[], bool],
+                shm: Path | None = None) -> None:
+    """A rollout node's receiver for the life of its server (`alive`): joins each trainer's group
+    published under `root` that names `name` (this node's server dir) and keeps this node's copy
+    of its versions; a trainer that ends or dies (a resumed run opens a new group) is logged, and
+    the next one is waited for."""
+    seen: str | None = None
+    while alive():
+        spec = _address(root / ADDRESS_FILE)
+        if spec is None or spec["id"] == seen or name not in spec["ranks"]:
+            time.sleep(POLL_S)
+            continue
+        if not _listening(spec["host"], int(spec["port"])):       # not yet, or an earlier trainer's, gone
+            time.sleep(POLL_S)
+            continue
+        seen = spec["id"]
+        device = torch.device("cuda", 0) if spec.get("nccl_port") else None
+        address = CopyGroupAddress(spec["host"], int(spec["port"]), int(spec["world"]), float(spec["timeout_s"]),
+                                   spec.get("nccl_port"))
+        try:
+            serve_node_copy(address, int(spec["ranks"][name]), segment_bytes, shm, device)
+            print(f"[weight copy] the trainer closed its group {seen}", flush=True)
+        except Exception as exc:      # noqa: BLE001 -- the trainer died or failed; wait for the next one
+            print(f"[weight copy] the trainer's group {seen} ended: {type(exc).__name__}: {exc}", flush=True)
+
+
+def _address(path: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False

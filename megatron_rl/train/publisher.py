@@ -12,9 +12,11 @@ collective.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from ..sync import verify as verification
 from ..sync.checker import check_servers
 from ..sync.diagnose import CHECKER_DEADLINE_S, Diagnosis, diagnose_sync
 from ..sync.lora import sync_actor
+from ..sync.network import NetworkCopyTransport, open_copy_group, receivers_beside
 from ..sync.nodes import NodeReceiver, NodeShmTransport, open_sender_group
 from ..sync.shm import ShmLink
 from ..topology import ShmSender, shm_senders
@@ -108,10 +111,12 @@ class WeightPublisher:
             self.transport, self.links = node_transport, list(node_transport.links)
             print(f"[rollout] weight sync: a sender per node, ranks {', '.join(str(s.rank) for s in senders)}, "
                   "each into its node's /dev/shm", flush=True)
+        elif self._over_network():
+            self.transport, self.links = self._network_transport()
         else:
             # One sender for all servers (write once / one broadcast); per server, what its
             # supervisor re-sends. A lone server on this node reads /dev/shm; servers on rollout
-            # nodes read the shared run dir.
+            # nodes without receivers read the shared run dir.
             lone = len(servers) == 1 and servers[0] is self.fleet.own_server
             sync_root = None if lone else self.fleet.run_dir / "rollout" / "sync"
             delta = "off" if r.sleep_level == 2 else r.sync_delta       # the wake-up leaves no weights to patch
@@ -127,6 +132,30 @@ class WeightPublisher:
                     link.deltas_after_first = True
         self.fleet.supervise(self.links)
 
+    def _over_network(self) -> bool:
+        """Rank 0: the external servers' nodes run weight-copy receivers (`rollout-server --weight-copy`)."""
+        if self.cfg.rollout.weight_transfer != "shm" or not self.fleet.external:
+            return False
+        try:
+            return receivers_beside([Path(s.run_dir) for s in self.fleet.servers])
+        except ValueError as exc:
+            raise Stop(str(exc)) from exc
+
+    def _network_transport(self) -> tuple[NetworkCopyTransport, list[ServerLink]]:
+        """Every version over the network into each rollout node's /dev/shm (`sync/network.py`)."""
+        r, servers = self.cfg.rollout, self.fleet.servers
+        assert self.fleet.external is not None
+        timeout_s = self.cfg.trainer.collective_timeout_min * 60
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        group = open_copy_group(Path(self.fleet.external), [Path(s.run_dir) for s in servers], host, timeout_s,
+                                compute_device())
+        delta = "off" if r.sleep_level == 2 else r.sync_delta
+        transport = NetworkCopyTransport(servers, group, segment_bytes=r.sync_bucket_mb << 20, delta=delta,
+                                         dense_every=r.sync_dense_every)
+        print(f"[rollout] weight sync: over the network ({'NCCL' if group.nccl is not None else 'gloo'}) into each "
+              f"of the {len(servers)} rollout nodes' /dev/shm (rollout.sync_delta {delta})", flush=True)
+        return transport, list(transport.links)
+
     def _shm_senders(self) -> list[ShmSender]:
         """`topology.shm_senders` of this job as torchrun started it (the same on every rank)."""
         pos = node_position()
@@ -141,6 +170,8 @@ class WeightPublisher:
         with ExitStack() as steps:               # runs its callbacks last-in first-out
             if self.node_sender is not None:                 # this node's copy of the weights
                 steps.callback(self.node_sender.close)
+            if isinstance(self.transport, NetworkCopyTransport):   # the receivers keep theirs till then
+                steps.callback(self.transport.close)
             for link in reversed(self.links):
                 steps.callback(link.close)
             if self._pool is not None:

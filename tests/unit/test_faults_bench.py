@@ -103,14 +103,15 @@ def test_a_run_too_short_for_the_trainer_kill_finishes_with_its_first_trainer() 
     assert not faults.run_finished(0, None, killed=True)
 
 
-def test_delta_runs_are_synchronous_and_their_sync_rounds_are_counted() -> None:
-    import pytest
-
+def test_delta_runs_in_both_modes_and_their_sync_rounds_are_counted() -> None:
     args = faults.parse(["--delta"])
     assert args.delta and args.max_staleness == 0
     assert "rollout.sync_delta=on" in faults.DELTA_OVERRIDES and "trainer.lr=1e-6" in faults.DELTA_OVERRIDES
-    with pytest.raises(SystemExit):          # asynchronous rollout runs disaggregated: its syncs go whole
-        faults.parse(["--delta", "--max-staleness", "1"])
+    both = faults.parse(["--delta", "--max-staleness", "1"])     # the rollout nodes' copies take deltas too
+    overrides = faults.child_overrides(both)
+    assert "rollout.sync_delta=on" in overrides and "rollout.placement=disaggregated" in overrides
+    from megatron_rl.config.check import load_checked
+    assert load_checked(str(faults.REPO / "recipes/tiny/grpo.yaml"), overrides, check_paths=False) is not None
     rows = [{"sync/dense": 1, "sync/changed_frac": 1.0, "sync/bytes": 900},
             *({"sync/dense": 0, "sync/changed_frac": f, "sync/bytes": b}
               for f, b in [(0.01, 30), (0.03, 10), (0.02, 20)]),
