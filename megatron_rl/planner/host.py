@@ -68,8 +68,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.rules import delta_sync_where
 from ..config.schema import ParallelismConfig, RecipeConfig
-from ..topology import recipe_shm_senders, transport_bucket_bytes
+from ..topology import recipe_shm_senders, transport_bucket_bytes, weight_copy_path
 from .memory import (
     DTYPE_BYTES,
     GB,
@@ -214,6 +215,12 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemor
     in_ram = bool(senders) and not senders[0].shared
     where: str = ("/dev/shm (tmpfs)" if in_ram else "page cache of the shared run dir") if senders \
         else r.weight_transfer
+    if senders and weight_copy_path(cfg).kind == "network":
+        # Rank 0 keeps a host copy to compare with only for delta syncs (`sync/network.py` shadow).
+        in_ram = delta_sync_where(cfg) is None and r.sync_delta != "off"
+        sync, later = (sync, later) if in_ram else (0.0, 0.0)
+        where = "/dev/shm (tmpfs): rank 0's copy of the last version, compared with (delta)" if in_ram \
+            else "none: streamed to the rollout nodes' receivers"
     if later != sync:           # QLoRA: the first sync's segments, re-created smaller after it
         where += f"; the first sync (the whole base), then {later:.1f} GB"
     label = "weight-sync segments (every node)" if len(senders) > 1 else "weight-sync segments (rank 0's node)"
@@ -224,11 +231,14 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemor
     return out
 
 
-def vllm_host_terms(cfg: RecipeConfig, ro: RolloutMemory) -> list[HostTerm]:
+def vllm_host_terms(cfg: RecipeConfig, ro: RolloutMemory, params: ModelParams | None = None) -> list[HostTerm]:
     r = cfg.rollout
     gpus = r.tensor_parallel_size * r.data_parallel_size
     out = [HostTerm("vllm_process", "vLLM processes", VLLM_PROCESS_GB * (1 + gpus),
                     f"API server + engine + {gpus} workers")]
+    if params is not None and r.placement == "disaggregated" and weight_copy_path(cfg).kind == "network":
+        out.append(HostTerm("node_copy", "weight copy (the receiver)", first_sync_bytes(params, cfg) / GB,
+                            "/dev/shm (tmpfs): what a restarted server reloads (sync/network.py)"))
     slept = ro.weights_gb * gpus if r.sleep_level == 1 else 0.0
     out.append(HostTerm("vllm_sleep", "vLLM weights while asleep", slept,
                         "sleep_level 1: weights backed up in host RAM" if slept else f"sleep_level {r.sleep_level}"))

@@ -154,7 +154,7 @@ def node_roles(cfg: RecipeConfig, params: ModelParams, stage: StageMemory, ro: R
     if cfg.rollout.placement == "colocated":
         return (NodeMemory("colocated node", cfg.parallelism.nodes, tuple(trainer + vllm_host_terms(cfg, ro)),
                            hw.host_memory_gb, stage.total_gb, capacity, fits and ro.fits),)
-    rollout = NodeMemory("rollout node", cfg.rollout.nodes, tuple(vllm_host_terms(cfg, ro)), hw.host_memory_gb,
+    rollout = NodeMemory("rollout node", cfg.rollout.nodes, tuple(vllm_host_terms(cfg, ro, params)), hw.host_memory_gb,
                          ro.reserved_gb, capacity, ro.fits)
     return (NodeMemory("trainer node", cfg.parallelism.nodes, tuple(trainer), hw.host_memory_gb, stage.total_gb,
                        capacity, fits), rollout)

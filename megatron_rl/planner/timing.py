@@ -32,8 +32,10 @@ The loop's phases (`train/loop.py`), in order, and how each is modelled:
   other nodes, NVLink from its own), then `shm` copies them to host segments (PCIe) that a lone
   server on its node reads, or, colocated over several nodes, broadcasts them to a sender on every
   node (InfiniBand) that copies them into its node's segments (`sync/nodes.py`), or (servers on
-  rollout nodes) writes them into the shared run directory, which the servers read (written and
-  read at the file system's rate); `nccl` broadcasts from rank 0's GPU to every
+  rollout nodes) streams them over its NIC to a receiver on every rollout node at once, which
+  writes its node's /dev/shm copy (`sync/network.py`; without receivers: the shared run directory,
+  written and read at the file system's rate); with delta sync rank 0 compares every tensor with
+  its host copy and sends the changed share; `nccl` broadcasts from rank 0's GPU to every
   worker; `ipc` copies every tensor to each GPU of the servers on rank 0's node (NVLink). Each
   server's workers then load their part (PCIe for `shm`).
 
@@ -60,6 +62,7 @@ from dataclasses import dataclass
 
 from ..config.rules import delta_sync_where
 from ..config.schema import RecipeConfig
+from ..topology import weight_copy_path
 from .gpus import HOST_STEP_OVERHEAD_S, IB_LATENCY_S, NVLINK_LATENCY_S, SHARED_FS_GB_S, GpuSpec
 from .host import first_sync_bytes, sync_bytes
 from .memory import DTYPE_BYTES, GB, Hardware, RolloutMemory, dense_shards, expert_dp, seq_length
@@ -442,7 +445,14 @@ def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: Rollo
     host_copy = nbytes / (g.pcie_gb_s * 1e9)         # into the segments (and, delta, the comparison)
     if r.placement == "colocated" and nodes > 1:           # a sender per node, into its /dev/shm
         return gather, nbytes * share / (g.ib_gb_s * 1e9) + host_copy + load, "broadcast to a /dev/shm copy per node"
-    if remote:            # servers on rollout nodes: the shared run directory
+    if remote and weight_copy_path(cfg).kind == "network":
+        # Rank 0 compares with its host copy (host_copy), streams the round (patches, or all of
+        # it) once over its NIC to every receiver at once, each writes its node's /dev/shm copy
+        # (at the PCIe rate, `gpus.SHARED_FS_GB_S`' note), then the servers load at once.
+        sent = nbytes * share
+        return (gather, host_copy + sent / (g.ib_gb_s * 1e9) + sent / (g.pcie_gb_s * 1e9) + load,
+                "over the network into each rollout node's /dev/shm")
+    if remote:            # servers on rollout nodes without receivers: the shared run directory
         fs = SHARED_FS_GB_S * 1e9
         return gather, host_copy + 2 * nbytes * share / fs + load, "segments in the shared run dir"
     return gather, host_copy + load, "/dev/shm segments"

@@ -9,7 +9,7 @@ backend (`rollout.weight_transfer`):
   Colocated over several nodes (`nodes.py`), each node's first rank writes its node's copy, from
   rank 0's broadcast: those ranks hold a transport too, and take every part in step. For servers
   on rollout nodes, `network.py` streams each version to a receiver per rollout node, into that
-  node's /dev/shm (not yet started by the trainer: those syncs use the shared run dir, the fallback).
+  node's /dev/shm (`rollout-server --weight-copy`; servers without one read the shared run dir).
 - `nccl`, `ipc` (`gpu.py`): vLLM's own GPU engines.
 
 `lora.py` sends only what LoRA adapters change; `verify.py` checks what the servers then compute,

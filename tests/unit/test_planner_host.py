@@ -230,9 +230,14 @@ def test_host_terms_by_hand_and_verdict(capsys: pytest.CaptureFixture[str]) -> N
     assert terms["cpu_adam"].gb == pytest.approx(8 * est.stage.host_gb * (1 + 4 / 12))
     # Padded rows of 4608: int64 tokens, fp32 mask + rollout/π_old/π_ref log-probs, advantages.
     assert terms["batch"].gb == pytest.approx(8 * 2560 * (8 * 4608 + 16 * 4607 + 4) / GB)
-    # Weight-sync segments of servers on other nodes live in the shared run dir's page cache.
-    assert terms["sync_segments"].reclaimable and terms["sync_segments"].gb == pytest.approx(params.total * 2 / GB)
+    # Servers on rollout nodes get every version over the network (delta, the default `auto`):
+    # rank 0 keeps the last one in its /dev/shm to compare with (RAM, resident), each rollout node
+    # its copy in its /dev/shm (the receiver's).
+    assert not terms["sync_segments"].reclaimable and terms["sync_segments"].gb == pytest.approx(params.total * 2 / GB)
     assert terms["sync_segments"].label == "weight-sync segments (rank 0's node)"
+    assert {t.key: t.gb for t in rollout.host_terms}["node_copy"] == pytest.approx(params.total * 2 / GB)
+    off = estimate(load_recipe(path, ["rollout.sync_delta=off"]), params, Hardware(8, 80.0)).nodes[0]
+    assert {t.key: t.gb for t in off.host_terms}["sync_segments"] == 0.0          # nothing to compare with
     assert trainer.host_total_gb == pytest.approx(sum(t.gb for t in trainer.host_terms if not t.reclaimable))
     assert trainer.host_fits and rollout.host_fits
     # A 256 GB node cannot hold 8 ranks' CPU Adam: the verdict says so and the exit status is 2.

@@ -94,14 +94,16 @@ def test_qlora_first_sync_sends_the_whole_base() -> None:
     from megatron_rl.planner.timing import sync_seconds
 
     params = count_params(Q235)
-    for overrides, lone in (([], False), (["rollout.placement=colocated", "rollout.nodes=0"], True)):
+    for overrides in ([], ["rollout.placement=colocated", "rollout.nodes=0"]):
         cfg = load_recipe(RECIPE, overrides)
         later = LAYERS * (ATTENTION + 2 * 128) * 2               # q/k/v/o and the q/k norms, bf16
         assert sync_bytes(params, cfg) == later and later / GB == pytest.approx(13.4, abs=0.05)
         assert first_sync_bytes(params, cfg) == params.total * 2 and params.total * 2 / GB == pytest.approx(470.2, 1e-3)
         est = estimate(cfg, params, HW)
         (segments,) = [t for t in est.nodes[0].host_terms if t.key == "sync_segments"]
-        assert segments.gb == pytest.approx(params.total * 2 / GB) and segments.reclaimable is not lone
+        # In RAM either way: a lone server's /dev/shm segments, or (rollout nodes, over the network)
+        # rank 0's copy to compare the deltas with.
+        assert segments.gb == pytest.approx(params.total * 2 / GB) and not segments.reclaimable
         assert "then 13.4 GB" in segments.note
         phase = sync_seconds(params, cfg, rollout_memory(params, cfg, HW), GPUS["H100"], HW)
         assert "13.4 GB" in phase.note and "the first sync sends the whole base: 470.2 GB" in phase.note

@@ -159,16 +159,27 @@ def test_sync_seconds_of_a_sender_per_colocated_node() -> None:
     phase = sync_seconds(params, cfg, ro, g, hw)
     assert phase.seconds == pytest.approx(gather + nbytes / 50e9 + nbytes / (g.pcie_gb_s * 1e9) + load)
     assert "a /dev/shm copy per node" in phase.note
-    shared = sync_seconds(params, load_recipe(RECIPES / "qwen3_next_80b_a3b/gspo.yaml"), ro, g, hw)
-    assert "shared run dir" in shared.note and shared.seconds > phase.seconds + nbytes / 10e9
+    # Disaggregated (GSPO), whole: rank 0's host copy, one stream over its NIC to every rollout
+    # node's receiver, each writing its /dev/shm, the loads at once; no shared file system.
+    gspo = load_recipe(RECIPES / "qwen3_next_80b_a3b/gspo.yaml", ["rollout.sync_delta=off"])
+    ro = rollout_memory(params, gspo, hw)
+    net = sync_seconds(params, gspo, ro, g, hw)
+    host = nbytes / (g.pcie_gb_s * 1e9)
+    load = ro.weights_gb * GB / g.pcie_gb_s / 1e9
+    assert net.seconds == pytest.approx(gather + host + nbytes / (g.ib_gb_s * 1e9) + host + load)
+    assert "over the network into each rollout node's /dev/shm" in net.note and "shared run dir" not in net.note
 
 
 def test_delta_sync_only_where_the_product_sends_deltas() -> None:
-    """Delta syncs shrink the send only for `shm` to servers on the trainer's one node (what
-    `sync/delta.py` does); the production recipes (disaggregated, or a sender per node) stay whole."""
+    """Delta syncs shrink the send for `shm` to servers on the trainer's one node or on rollout
+    nodes with receivers (what `sync/delta.py`, `sync/network.py` do); a sender per colocated node
+    and the GPU transports stay whole."""
     g, hw = GPUS["H100"], Hardware(8, 80.0)
     for path in sorted(RECIPES.glob("qwen3_*/*.yaml")):
-        assert delta_share(load_recipe(path)) == 1.0, path
+        cfg = load_recipe(path)
+        r = cfg.rollout
+        network = r.placement == "disaggregated" and r.weight_transfer == "shm"
+        assert (delta_share(cfg) < 0.2) == network and (delta_share(cfg) == 1.0) != network, path
     base = load_recipe(RECIPES / "qwen3_next_80b_a3b/grpo.yaml")
     one = dataclasses.replace(base, parallelism=dataclasses.replace(base.parallelism, nodes=1))
     r = one.rollout
