@@ -22,17 +22,20 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..megatron.devices import from_rank0
 from ..rollout.supervisor import ServerLink
 from ..topology import transport_bucket_bytes
 from ..weights.map import WeightAdapter
 from .delta import Mode
 from .gpu import IpcTransport, NcclTransport
+from .owners import OwnerCopy
 from .routes import EngineServer
 from .shm import SharedSegmentTransport
 
@@ -87,6 +90,8 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
     assert transport is not None or not rank0, "rank 0 needs a transport"
+    if getattr(transport, "owners", None) is not None:
+        return _sync_by_owners(model, adapter, transport, version, dtype, only)
     sender = transport      # rank 0's, or another node sender's (`nodes.NodeReceiver`); else None
     if sender is not None:
         sender.begin(version)
@@ -113,6 +118,77 @@ def sync_weights(model: torch.nn.Module, adapter: WeightAdapter, transport: Tran
     stats = getattr(sender, "stats", None)
     sent = stats.report() if stats is not None else None
     return SyncReport(version, len(names), total, sends, time.perf_counter() - start, server, sent)
+
+
+class OwnerSender:
+    """A trainer rank other than 0 in a run whose syncs may be deltas compared by the owners
+    (`owners.py`): its own part's host copy, nothing else (rank 0's transport sends)."""
+
+    def __init__(self) -> None:
+        self.owners = OwnerCopy()
+
+    # A `Transport` by shape; `sync_weights` takes the owners' path before any of these.
+    def begin(self, version: int) -> None:
+        raise AssertionError("rank 0's transport sends")
+
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise AssertionError("rank 0's transport sends")
+
+    def finish(self, names: list[str]) -> dict[str, Any]:
+        raise AssertionError("rank 0's transport sends")
+
+    def abort(self) -> None:
+        raise AssertionError("rank 0's transport sends")
+
+
+def _sync_by_owners(model: torch.nn.Module, adapter: WeightAdapter, transport: Any, version: int,
+                    dtype: torch.dtype, only: set[str] | None) -> SyncReport | None:
+    """`sync_weights` where each owner compares its part with its own host copy (`owners.py`):
+    rank 0 decides whether the round is a delta and tells every rank; then the gather carries the
+    patches (or, dense, every tensor whole, each owner keeping a copy of what it sent)."""
+    from ..weights.sharding import gather_hf_layers
+
+    rank0 = dist.get_rank() == 0
+    start = time.perf_counter()
+    owners: OwnerCopy = transport.owners
+    delta = bool(from_rank0(rank0 and transport.wants_delta(only)))
+    owners.begin()
+    on_owner = partial(owners.patches if delta else owners.keep, dtype=dtype)
+    names: list[str] = []
+    total = sends = 0
+    if rank0:
+        transport.begin(version, delta=delta, only=only)
+    try:
+        for layer in gather_hf_layers(model, adapter, only, on_owner=on_owner):
+            if not rank0:
+                continue
+            part = dict(layer)
+            if delta:
+                transport.send_patches(part)
+            else:
+                transport.send_bucket(part)
+                names += part
+            total += sum(t.nbytes for t in part.values())
+            sends += 1
+        counts = torch.tensor([owners.changed, owners.elements], dtype=torch.int64, device=_device(model))
+        dist.all_reduce(counts)                       # the changed fraction of the whole model
+        server = transport.finish(None if delta else names) if rank0 else None
+    except BaseException:
+        if rank0:
+            transport.abort()
+        raise
+    if not rank0:
+        return None
+    assert server is not None
+    stats = transport.stats
+    stats.changed, stats.elements = int(counts[0]), int(counts[1])
+    tensors = len(names) if not delta else server.get("tensors", 0)
+    return SyncReport(version, tensors, total, sends, time.perf_counter() - start, server, stats.report())
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    """Where the model's collectives run (NCCL: its GPU; gloo: the CPU)."""
+    return next(model.parameters()).device
 
 
 def make_transport(backend: Backend, servers: Sequence[EngineServer], sync_root: Path | None,

@@ -55,12 +55,25 @@ class DigestingTransport:
         self.error: str | None = None
         """The first checksum that failed (e.g. out of GPU memory); the tensors still go on."""
 
-    def begin(self, version: int) -> None:
+    @property
+    def owners(self) -> Any:
+        """The inner transport's owner-compared delta state (`owners.py`), if it has one: then every
+        rank syncs through the owners' path, this re-send too (whole: `wants_delta`)."""
+        return getattr(self.inner, "owners", None)
+
+    @property
+    def stats(self) -> Any:
+        return getattr(self.inner, "stats", None)
+
+    def wants_delta(self, only: set[str] | None = None) -> bool:
+        return False                    # the workers' checksums are of whole tensors
+
+    def begin(self, version: int, **kwargs: Any) -> None:
         self.digests, self.error = {}, None
         policy = getattr(self.inner, "policy", None)
         if policy is not None:          # a delta sync's: whole, the workers' checksums are of whole tensors
             policy.dense_next = True
-        self.inner.begin(version)
+        self.inner.begin(version, **kwargs)
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
         # The part is handed on whatever happens here: the node senders wait for every part's

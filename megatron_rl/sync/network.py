@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,12 +45,14 @@ import torch.distributed as dist
 from ..ports import free_port
 from ..rollout.engines import MOE_LOAD
 from ..rollout.engines.loaded import views
-from .delta import DeltaStats, Mode, apply_rows
+from ..rollout.shm import SYNC_PREFIX
+from .delta import DeltaPolicy, DeltaStats, Mode, PatchEntry, apply_rows
 from .nodes import NodeCopy, copy_problem
+from .owners import OwnerCopy, patch_names
 from .routes import EngineServer
-from .shm import ALIGN, PatchFiles, SegmentWriter, SharedSegmentTransport, ShmLink, load_everywhere
+from .shm import ALIGN, PatchFiles, SegmentWriter, ShmLink, _shm_root, load_everywhere
 
-BUCKET, FINISH, ABORT, PATCH, DENSE = 1, 2, 3, 4, 5
+BUCKET, FINISH, ABORT, PATCH = 1, 2, 3, 4
 CLOSE = "close"
 DELTA = "delta"
 """A round key's second word: a delta round (`NetworkCopyTransport`)."""
@@ -196,10 +200,6 @@ class NodeCopyReceiver:
                 return False
             if op == FINISH:
                 break
-            if op == DENSE:                 # rank 0's stream turned dense: the new version, whole
-                delta = False
-                self.writer.begin(version)
-                continue
             entries = torch.empty(meta, dtype=torch.uint8)
             self.group.broadcast(entries)
             if buffer is None or buffer.numel() < nbytes:
@@ -268,13 +268,12 @@ class NetworkCopyTransport:
     """Trainer rank 0: streams every version to the rollout nodes' receivers and drives every
     server. `servers[k]` reads the copy of receiver k + 1 (its node's).
 
-    With `delta` (`rollout.sync_delta`), rank 0 keeps its own copy of the last version sent in its
-    host's /dev/shm (`shadow`: a `SharedSegmentTransport` with no servers, the comparison of
-    `delta.py`), which every receiver's copy equals byte for byte. A delta round streams nothing
-    while the tensors come: at the end it sends the round's patch files, every server loads its
-    node's segments (the previous version) with them, and then every receiver and the shadow write
-    the patches into their segments. A stream that turns dense (`DeltaRound.matches`) is sent
-    whole at the end, from the shadow, which then holds it."""
+    With `delta` (`rollout.sync_delta`), a round may be a delta (`wants_delta`, rank 0's decision,
+    which `sync_weights` tells every rank): each owner of a part compares it with its own host copy
+    (`owners.py`) and rank 0 collects only the patches (`send_patches`) into patch files of its own
+    (`patches`, in its /dev/shm); at the end it streams those files to every receiver, every server
+    loads its node's segments (the previous version) with them, and then every receiver writes the
+    patches into its copy. A dense round streams every tensor as it comes, as without delta."""
 
     def __init__(self, servers: Sequence[EngineServer], group: CopyGroup, *, segment_bytes: int,
                  moe_load: str = MOE_LOAD, delta: Mode = "off", dense_every: int = 20) -> None:
@@ -284,8 +283,15 @@ class NetworkCopyTransport:
         self.group, self.capacity = group, segment_bytes
         self.copies = [NodeCopy(k) for k in range(len(servers))]
         self.links = [ShmLink(copy, s, {"moe_load": moe_load}) for copy, s in zip(self.copies, servers)]
-        self.shadow = SharedSegmentTransport([], segment_bytes=segment_bytes, delta=delta, dense_every=dense_every) \
-            if delta != "off" else None
+        self.policy = DeltaPolicy(delta, dense_every)
+        self.owners: OwnerCopy | None = OwnerCopy() if delta != "off" else None
+        """Rank 0's own part of the comparison (every owner holds one: `owners.py`)."""
+        self.patches: PatchFiles | None = None
+        self.rows: list[list[Any]] = []
+        self.only: frozenset[str] | None = None
+        """The names of the last round that landed (LoRA's touched tensors; None: every tensor)."""
+        self.next_only: frozenset[str] | None = None
+        self.stats = DeltaStats()
         self.round = self.version = 0
         self.buckets = 0
         self.entries: list[list[Any]] = []
@@ -293,20 +299,23 @@ class NetworkCopyTransport:
         self._buffer: torch.Tensor | None = None
         self.streaming = self.delta = False
 
-    @property
-    def stats(self) -> DeltaStats | None:
-        """The last round's `sync/bytes`, `sync/changed_frac`, `sync/dense` (with a shadow)."""
-        return self.shadow.stats if self.shadow is not None else None
+    def wants_delta(self, only: set[str] | None = None) -> bool:
+        """Whether the next round can be a delta: the policy says so, every node's copy holds the
+        last version that landed, and the round sends the same tensors as that one."""
+        held = {c.latest[0] if c.latest is not None else None for c in self.copies}
+        same = (frozenset(only) if only is not None else None) == self.only
+        return self.owners is not None and same and len(held) == 1 and None not in held and \
+            self.policy.wants_delta(True)
 
-    def begin(self, version: int) -> None:
-        self.delta = False
-        if self.shadow is not None:
-            # Every node's copy must be the shadow's version, or the patches would not fit it.
-            held = self.shadow.latest[0] if self.shadow.latest is not None else None
-            if any(c.latest is None or c.latest[0] != held for c in self.copies):
-                self.shadow.policy.dense_next = True
-            self.shadow.begin(version)
-            self.delta = self.shadow.delta is not None
+    def begin(self, version: int, delta: bool = False, only: set[str] | None = None) -> None:
+        self.delta, self.stats = delta, DeltaStats(dense=not delta)
+        self.next_only = frozenset(only) if only is not None else None
+        if delta:
+            if self.patches is None:
+                self.patches = PatchFiles(Path(tempfile.mkdtemp(prefix=f"{SYNC_PREFIX}{os.getpid()}-patches-",
+                                                                dir=_shm_root())), self.capacity)
+            self.patches.begin()
+            self.rows = []
         self.round += 1
         self.group.store.set(f"round-{self.round}", f"{version} {DELTA}" if self.delta else str(version))
         self.version, self.entries, self.used, self.buckets, self.streaming = version, [], 0, 0, True
@@ -316,12 +325,33 @@ class NetworkCopyTransport:
                 copy.latest = None
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copies the tensors now (into the shadow, the bucket buffer; one larger than a bucket goes
-        alone). A delta round only compares them with the shadow."""
-        if self.shadow is not None:
-            self.shadow.send_bucket(tensors)
-        if not self.delta:
-            self._stream(tensors)
+        """Copies the tensors now (into the bucket buffer; one larger than a bucket goes alone)."""
+        assert not self.delta, "a delta round takes patches (send_patches)"
+        self._stream(tensors)
+        self.stats.bytes += sum(t.nbytes for t in tensors.values())
+
+    def send_patches(self, part: dict[str, torch.Tensor]) -> None:
+        """A delta round's patches of a part (`owners.patch_names`), into rank 0's patch files."""
+        assert self.delta and self.patches is not None, "begin(delta=True) first"
+        where = {t[0]: t for t in self._base()}
+        for name, (indices, values) in patch_names(part).items():
+            if name not in where:
+                raise RuntimeError(f"delta sync: a patch of {name}, which the rollout nodes' copies do not hold")
+            _, dtype, shape = where[name][:3]
+            values_at = self.patches.write(values.contiguous().view(torch.uint8).cpu())
+            if indices is None:
+                self.rows.append(PatchEntry(name, dtype, shape, None, values.numel(), (0, 0), values_at).row())
+            else:
+                indices_at = self.patches.write(indices.contiguous().view(torch.uint8).cpu())
+                self.rows.append(PatchEntry(name, dtype, shape, str(indices.dtype).removeprefix("torch."),
+                                            indices.numel(), indices_at, values_at).row())
+            self.stats.bytes += values.nbytes + (indices.nbytes if indices is not None else 0)
+
+    def _base(self) -> list[list[Any]]:
+        """The tensors of the nodes' copies (the last dense round's layout, the same on every node)."""
+        latest = self.copies[0].latest
+        assert latest is not None, "a delta round needs every node's copy"
+        return list(json.loads(latest[1])["tensors"])
 
     def _stream(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
@@ -363,66 +393,55 @@ class NetworkCopyTransport:
                                f"{self.version}: {exc} (a receiver died or hung; its server keeps its last "
                                "loaded weights)") from exc
 
-    def _stream_round(self, names: list[str]) -> str | None:
-        """What a delta round streams at its end: its patch files, or (turned dense) the new version
-        whole from the shadow. Returns the shadow's delta manifest, or None (dense)."""
-        assert self.shadow is not None
-        manifest, _ = self.shadow.seal(names)
-        if self.shadow.delta is not None:
-            assert self.shadow.patch_area is not None
-            for k, (size, data) in enumerate(self.shadow.patch_area.used()):
+    def finish(self, names: list[str] | None) -> dict[str, Any]:
+        """`names`: every tensor of a dense round (a delta round's are its nodes' copies')."""
+        if self.delta:
+            assert self.patches is not None
+            for k, (size, data) in enumerate(self.patches.used()):
                 self._send([k, size], data.to(self.group.device), PATCH)
-            return manifest
-        self._collective(self.group.header, DENSE)
-        for copy in self.copies:            # rewritten in place from here, as in a dense round
-            copy.overwritten, copy.latest = copy.latest is not None or copy.overwritten, None
-        for name, t in views(self.shadow.tensors, [f.bytes for f in self.shadow.files]):
-            self._stream({name: t})
-        return None
-
-    def finish(self, names: list[str]) -> dict[str, Any]:
-        delta = self._stream_round(names) if self.delta else None
-        if self.shadow is not None and not self.delta:
-            self.shadow.seal(names)
+            names = [t[0] for t in self._base()]
+        assert names is not None, "a dense round names its tensors"
         self._flush()
         self._collective(self.group.header, FINISH)
         self.streaming = False
         reports = self._collective(self.group.all_gather_json, {"rank": 0})[1:]
         landed = False
         try:
-            manifests = self._manifests(reports, names, delta)
+            manifests = self._manifests(reports, names)
             results = load_everywhere(self.links, self.version, manifests)
             landed = True
         finally:
-            self._settle(delta, landed)
+            self._settle(landed)
         return {**results[0], "servers": len(results), "receivers": len(reports), "buckets": self.buckets}
 
-    def _manifests(self, reports: list[dict[str, Any]], names: list[str], delta: str | None) -> list[str]:
+    def _manifests(self, reports: list[dict[str, Any]], names: list[str]) -> list[str]:
         """Each server's manifest (its node's files), once every node's copy is whole."""
         problems = [copy_problem(f"rollout node {k} (receiver pid {r.get('pid')})",
                                  r if not r.get("delta") else {**r, "manifest": json.dumps(r)}, names)
                     for k, r in enumerate(reports)]
         if any(problems):
             raise RuntimeError("weight sync: " + "; ".join(p for p in problems if p))
-        if delta is None:
+        if not self.delta:
             for copy, r in zip(self.copies, reports):
                 copy.latest, copy.overwritten = (self.version, r["manifest"], Path(r["dir"])), False
             return [r["manifest"] for r in reports]
-        rows = json.loads(delta)["patches"]
         return [json.dumps({"segments": r["segments"], "tensors": r["tensors"],
-                            "patch_segments": r["patch_segments"], "patches": rows}) for r in reports]
+                            "patch_segments": r["patch_segments"], "patches": self.rows}) for r in reports]
 
-    def _settle(self, delta: str | None, landed: bool) -> None:
-        """After the loads: the receivers and the shadow take a delta round's patches (every
-        receiver is told, also after a failure, so that the group stays in step)."""
-        spec = {"version": self.version, "patches": json.loads(delta)["patches"] if delta else []}
+    def _settle(self, landed: bool) -> None:
+        """After the loads: the receivers take a delta round's patches (every receiver is told, also
+        after a failure, so that the group stays in step); a round that failed somewhere makes the
+        next one dense (a server, or an owner's copy, may hold part of it)."""
+        spec = {"version": self.version, "patches": self.rows if self.delta else []}
         self.group.store.set(f"apply-{self.round}", json.dumps(spec))
-        if self.shadow is not None:
-            self.shadow.settle(landed)
+        self.policy.done(dense=not self.delta)
+        self.policy.dense_next = not landed
+        if landed:
+            self.only = self.next_only
         acks = self._collective(self.group.all_gather_json, {"rank": 0})[1:]
         failed = [f"rollout node {k}: {a['error']}" for k, a in enumerate(acks) if a["error"]]
         for copy, ack in zip(self.copies, acks):
-            if delta is not None and copy.latest is not None:
+            if self.delta and copy.latest is not None:
                 copy.latest = None if ack["error"] else (self.version, copy.latest[1], copy.latest[2])
                 copy.overwritten = copy.overwritten or bool(ack["error"])
         if failed:
@@ -430,9 +449,8 @@ class NetworkCopyTransport:
 
     def abort(self) -> None:
         """The receivers drop the version (after a failed gather on rank 0's side); nothing if the
-        stream itself failed (its group is broken)."""
-        if self.shadow is not None:
-            self.shadow.abort()
+        stream itself failed (its group is broken). The owners' copies may be ahead: dense next."""
+        self.policy.dense_next = True
         if self.streaming:
             self.streaming = False
             try:
@@ -442,8 +460,9 @@ class NetworkCopyTransport:
 
     def close(self) -> None:
         """The receivers return (their copies go with them)."""
-        if self.shadow is not None:
-            self.shadow.close()
+        if self.patches is not None:
+            self.patches.close()
+            shutil.rmtree(self.patches.dir, ignore_errors=True)
         if self.group.address_file is not None:
             self.group.address_file.unlink(missing_ok=True)
         self.group.store.set(f"round-{self.round + 1}", CLOSE)

@@ -27,7 +27,7 @@ from ..megatron.devices import compute_device, from_rank0, wait_for_rank0
 from ..rollout.client import RolloutClient
 from ..rollout.supervisor import ProbeExpectation, ServerLink, ServerSupervisor
 from ..send_plan import nccl_in_force
-from ..sync import SyncReport, Transport, make_transport
+from ..sync import OwnerSender, SyncReport, Transport, make_transport
 from ..sync import verify as verification
 from ..sync.checker import check_servers
 from ..sync.diagnose import CHECKER_DEADLINE_S, Diagnosis, diagnose_sync
@@ -90,7 +90,15 @@ class WeightPublisher:
     # ------------------------------------------------------------------ transports
     def open(self) -> None:
         """Collective, after `fleet.start`. Build the transports and each server's link, and hand
-        the links to the fleet's supervisors (before any sync: a round is redone under them)."""
+        the links to the fleet's supervisors (before any sync: a round is redone under them). Where
+        the owners of the weights compare them for delta syncs (`sync/owners.py`), every other rank
+        gets a transport holding its part's copy."""
+        self._open()
+        owners = getattr(self.transport, "owners", None) is not None if self.rank0 else False
+        if from_rank0(owners) and not self.rank0:               # collective: every rank
+            self.transport = OwnerSender()
+
+    def _open(self) -> None:
         r = self.cfg.rollout
         senders = self._shm_senders() if r.weight_transfer == "shm" else []
         group = open_sender_group(senders, self.cfg.trainer.collective_timeout_min)   # collective: every rank

@@ -219,8 +219,13 @@ GATHER_CHUNK_BYTES = 32 << 20
 """Rank 0 takes a layer in parts of about this many bytes (one tensor may exceed it)."""
 
 
+Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+"""What an owner hands on instead of the tensors it owns (`gather_to_rank0`'s `transform`)."""
+
+
 def gather_to_rank0(model: torch.nn.Module, layers: list[int | None], chunk_bytes: int = GATHER_CHUNK_BYTES,
-                    only: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+                    only: set[str] | None = None,
+                    transform: Transform | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Per layer (global order), all global tensors collected on global rank 0 ({} elsewhere), in
     parts of about `chunk_bytes`: a layer of a 128-expert model, or a 151,936-row embedding, is GBs.
     Each rank unshards its parameters a part at a time too, and only the first data-parallel
@@ -228,6 +233,8 @@ def gather_to_rank0(model: torch.nn.Module, layers: list[int | None], chunk_byte
 
     Each rank contributes the tensors it owns. Every rank yields once per part, in step.
     `only`: just these global names (LoRA's touched tensors); layers without one yield nothing.
+    `transform`: applied by each owner to its tensors of a part before they go (the delta sync's
+    patches, `sync/owners.py`); rank 0 then collects what it returns.
     """
     by_layer: dict[int | None, list[LocalParam]] = {}
     for p in local_params(model):
@@ -247,6 +254,8 @@ def gather_to_rank0(model: torch.nn.Module, layers: list[int | None], chunk_byte
                 if p.owns():
                     assert full is not None, "owners are TP rank 0"
                     mine[p.global_name] = full
+            if transform is not None and mine:
+                mine = transform(mine)
             yield from _collect_on_rank0(mine, world_rank, device, chunk_bytes)
 
 
@@ -295,14 +304,23 @@ def _exchange(ops: list[dist.P2POp]) -> None:
             work.wait()
 
 
-def gather_hf_layers(model: torch.nn.Module, adapter: Any,
-                     only: set[str] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def gather_hf_layers(model: torch.nn.Module, adapter: Any, only: set[str] | None = None,
+                     on_owner: Transform | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Per part of a layer (global order, see `gather_to_rank0`), the full HF-named tensors on
     global rank 0 ([] elsewhere).
 
     Collective over all ranks; the one path by which weights leave Megatron (sync, export,
-    conversion), so they all go through the same weight map.
+    conversion), so they all go through the same weight map. With `on_owner`, each owner converts
+    its own tensors and hands their HF-named dict to `on_owner`, and rank 0 gets what that returns
+    (a delta sync's patches, compared where the tensors are: `sync/owners.py`).
     """
+    def to_hf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(pair for name, tensor in tensors.items()
+                    for pair in adapter.to_hf(adapter.entry_for_mcore(name), tensor))
+
+    if on_owner is not None:
+        for part in gather_to_rank0(model, adapter.layers(), only=only, transform=lambda t: on_owner(to_hf(t))):
+            yield list(part.items())
+        return
     for part in gather_to_rank0(model, adapter.layers(), only=only):
-        yield [pair for name, tensor in part.items()
-               for pair in adapter.to_hf(adapter.entry_for_mcore(name), tensor)]
+        yield list(to_hf(part).items())

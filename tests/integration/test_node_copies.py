@@ -18,6 +18,7 @@ import torch
 from megatron_rl.ports import free_port
 from megatron_rl.rollout.server import RolloutServer
 from megatron_rl.sync.network import CopyGroup, CopyGroupAddress, NetworkCopyTransport
+from tests.helpers.owner_sync import owner_sync
 from tests.helpers.rollout import REPO, demo_assets
 
 RECEIVER = """
@@ -49,13 +50,9 @@ def test_a_rollout_nodes_copy_arrives_over_gloo_into_its_shm(demo_weights_server
 
     def sync(version: int, state: dict[str, torch.Tensor]) -> dict:
         server.rpc("mrl_digest_arm")
-        transport.begin(version)
-        half = len(names) // 2                      # two parts, as the gather hands them over
-        transport.send_bucket({n: state[n] for n in names[:half]})
-        transport.send_bucket({n: state[n] for n in names[half:]})
-        report = transport.finish(names)
-        dense = transport.stats is None or transport.stats.dense
-        assert report["version"] == version and (report["buckets"] > 10 or not dense), report
+        # Two parts, as the gather hands them over; this rank owns (and compares) every tensor.
+        report = owner_sync(transport, version, state, torch.float32, per_part=len(names) // 2 + 1)
+        assert report["version"] == version and (report["buckets"] > 10 or not transport.stats.dense), report
         return compare({n: tensor_digest(x) for n, x in state.items()},
                        [(server.base_url, server.rpc("mrl_digests"))]).differ
 
@@ -70,10 +67,9 @@ def test_a_rollout_nodes_copy_arrives_over_gloo_into_its_shm(demo_weights_server
         for n in names[:3]:
             sparse[n].view(-1)[::97] += 0.01                      # ~1 % of three tensors' elements
         assert sync(3_000_002, sparse) == {}
-        assert transport.stats is not None and not transport.stats.dense
-        assert transport.stats.report()["changed_frac"] < 0.01
+        assert not transport.stats.dense and transport.stats.report()["changed_frac"] < 0.01
         assert sync(3_000_003, v2) == {}                          # the new weights
-        assert transport.stats is not None and not transport.stats.dense     # whole patches, each
+        assert not transport.stats.dense                          # whole patches, each
         assert transport.stats.bytes == sum(x.nbytes for x in v2.values())
         link = transport.links[0]
         assert link.latest is not None

@@ -107,10 +107,12 @@ def _receivers(tmp_path: Path, address: CopyGroupAddress, ranks: tuple[int, ...]
 
 
 def test_delta_rounds_send_the_patches_to_every_node_whose_copy_then_holds_the_new_version(tmp_path: Path) -> None:
-    """`rollout.sync_delta` over the network: rank 0 compares with its own host copy (the shadow),
-    sends only the patches, every server loads its node's previous version with them, and every
-    node's copy is then the new version byte for byte (what a restarted server is brought back from)."""
+    """`rollout.sync_delta` over the network: the owner compares with its own host copy (here one
+    rank owning every tensor), only the patches go, every server loads its node's previous
+    version with them, and every node's copy is then the new version byte for byte (what a
+    restarted server is brought back from)."""
     from megatron_rl.rollout.engines.loaded import views
+    from tests.helpers.owner_sync import owner_sync
     from tests.unit.test_sync_delta import _digests, _model, _step
     from tests.unit.test_sync_shm import EngineRecorder
 
@@ -121,12 +123,8 @@ def test_delta_rounds_send_the_patches_to_every_node_whose_copy_then_holds_the_n
     transport = NetworkCopyTransport(servers, CopyGroup(address, 0), segment_bytes=BUCKET, delta="auto",
                                      dense_every=10)
 
-    def sync(version: int, state: dict[str, torch.Tensor]) -> None:
-        transport.begin(version)
-        names = list(state)
-        for start in range(0, len(names), 2):
-            transport.send_bucket({n: state[n] for n in names[start:start + 2]})
-        transport.finish(names)
+    def sync(version: int, state: dict[str, torch.Tensor], only: set[str] | None = None) -> None:
+        owner_sync(transport, version, state, torch.bfloat16, only)
 
     def node_copy(k: int) -> dict[str, torch.Tensor]:
         latest = transport.copies[k].latest
@@ -139,13 +137,16 @@ def test_delta_rounds_send_the_patches_to_every_node_whose_copy_then_holds_the_n
     try:
         v1 = _model(0)
         sync(1, v1)
-        assert transport.stats is not None and transport.stats.dense
+        assert transport.stats.dense
         dense_bytes = transport.stats.bytes
         v2 = _step(v1, 0.03, 1)
         buckets_dense = transport.buckets
         sync(2, v2)
         stats = transport.stats
         assert not stats.dense and stats.bytes <= 0.10 * dense_bytes, (stats.bytes, dense_bytes)
+        frac = sum(int((v2[n].view(torch.int16) != v1[n].view(torch.int16)).sum()) for n in v1) / \
+            sum(x.numel() for x in v1.values())
+        assert stats.report()["changed_frac"] == pytest.approx(frac) and 0 < frac < 0.05
         assert transport.buckets < buckets_dense                      # the patch files, not the tensors
         for k, server in enumerate(servers):
             assert server.patched == 4 and server.version == 2        # the norm did not change
@@ -156,13 +157,15 @@ def test_delta_rounds_send_the_patches_to_every_node_whose_copy_then_holds_the_n
         servers[1].restarts += 1                                      # restarted: its node's copy, whole
         assert transport.links[1].resend_latest() is not None and servers[1].patched == 0
         assert _digests(servers[1].loaded) == _digests(v2)
-        # A stream unlike the last one (a tensor fewer) turns dense: sent whole at the end.
+        # Another set of tensors than the last round's (LoRA's first adapted-only sync): whole.
         v3 = {n: t for n, t in _step(v2, 0.03, 2).items() if n != "model.norm.weight"}
-        sync(3, v3)
+        sync(3, v3, only=set(v3))
         assert transport.stats.dense and all(_digests(s.loaded) == _digests(v3) for s in servers)
         assert all(_digests(node_copy(k)) == _digests(v3) for k in range(2))
-        # A node whose patch files cannot be written is named; the next round is dense and lands.
+        # A node whose patch files cannot be written is named; the next round is whole and lands.
         v4 = _step(v3, 0.03, 3)
+        sync(4, v4, only=set(v4))
+        assert not transport.stats.dense
         failing = receivers[2].patches
         assert failing is not None
 
@@ -170,13 +173,14 @@ def test_delta_rounds_send_the_patches_to_every_node_whose_copy_then_holds_the_n
             raise OSError(28, "No space left on device (simulated)")
 
         failing.put = full                                            # type: ignore[method-assign]
+        v5 = _step(v4, 0.03, 4)
         with pytest.raises(RuntimeError, match=r"rollout node 1 \(receiver pid \d+\): OSError.*No space left"):
-            sync(4, v4)
-        assert servers[1].version == 3
+            sync(5, v5, only=set(v5))
+        assert servers[1].version == 4
         del failing.put
-        sync(5, v4)
-        assert transport.stats.dense and all(_digests(s.loaded) == _digests(v4) for s in servers)
-        sync(6, _step(v4, 0.03, 4))
+        sync(6, v5, only=set(v5))
+        assert transport.stats.dense and all(_digests(s.loaded) == _digests(v5) for s in servers)
+        sync(7, _step(v5, 0.03, 5), only=set(v5))
         assert not transport.stats.dense
     finally:
         transport.close()

@@ -1,0 +1,96 @@
+"""Delta sync compared where the weights are: each rank that owns a part of the model (`send_plan.py`:
+TP rank 0 of the first data-parallel replica, for its stage and its experts) keeps on its host the
+HF tensors of that part as it last sent them, compares each new one with it (bitwise, `delta.changed`)
+and hands on only the changed elements; rank 0 collects the patches and the transport sends them
+(`network.py`, servers on rollout nodes).
+
+Before this, rank 0 gathered every tensor of the model and compared it with a copy of the whole
+model on its own host: for Qwen3-235B 470 GB over rank 0's NIC and 470 GB of device-to-host copies
+on rank 0 every step (17.8 s of the planned 21.3 s sync). Here each of the owners (64 on the
+235B recipe) copies and compares its own part, at once, and only the patches cross the network
+(`planner/timing.py`).
+
+What rank 0 collects in a delta round, per changed tensor `name` (`patch_names`): `name|i` (flat
+indices, int32 where they fit) and `name|v` (their values), or `name|w` (the whole tensor, past
+the break-even or for a tensor a sparse patch would corrupt, `delta.whole_only`). A dense round
+goes as before (every tensor whole), and each owner keeps a host copy of what it sent. Whether a
+round is a delta is rank 0's decision (its transport's policy and its nodes' copies), told to every
+rank before the gather (`sync_weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .delta import break_even, changed, index_dtype, whole_only
+
+SEP = "|"
+INDICES, VALUES, WHOLE = "i", "v", "w"
+
+
+@dataclass
+class OwnerCopy:
+    """This rank's host copy of the HF tensors it owns, as last sent; the counts of the last round."""
+
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
+    changed: int = 0
+    elements: int = 0
+
+    def begin(self) -> None:
+        self.changed = self.elements = 0
+
+    def keep(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A dense round: every tensor goes whole (in `dtype`); each is remembered on the host."""
+        out = {}
+        for name, t in tensors.items():
+            out[name] = t.detach().to(dtype)
+            self.held[name] = out[name].to("cpu", copy=True).contiguous()
+            self.elements += t.numel()
+        self.changed = self.elements
+        return out
+
+    def patches(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A delta round: the changed elements of each tensor, on the tensor's device (what the
+        gather carries), and this copy updated to the new version."""
+        out = {}
+        for name, t in tensors.items():
+            new = t.detach().to(dtype)
+            host = new.to("cpu").contiguous().reshape(-1)
+            old = self.held.get(name)
+            if old is None or old.shape != new.shape or old.dtype != new.dtype:
+                was = "absent" if old is None else f"{tuple(old.shape)} {old.dtype}"
+                raise RuntimeError(f"delta sync: {name} {tuple(new.shape)} {new.dtype} is not in this rank's copy of "
+                                   f"the last version ({was}): the stream changed, which needs a whole sync")
+            flat = old.reshape(-1)
+            where = changed(host, flat)
+            self.changed += where.numel()
+            self.elements += host.numel()
+            if not where.numel():
+                continue
+            sparse_ok = new.dtype.is_floating_point and not whole_only(name)   # NaN marks, `copy_` loaders
+            if not sparse_ok or where.numel() > break_even(new.dtype, host.numel()) * host.numel():
+                out[name + SEP + WHOLE] = new.reshape(-1)
+                flat.copy_(host)
+                continue
+            values = host[where]
+            out[name + SEP + INDICES] = where.to(index_dtype(host.numel())).to(new.device)
+            out[name + SEP + VALUES] = values.to(new.device)
+            flat[where] = values
+        return out
+
+
+def patch_names(part: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor | None, torch.Tensor]]:
+    """What rank 0 collected (`OwnerCopy.patches`' keys): HF name → (indices, or None for a whole
+    tensor; values)."""
+    out: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    for key, t in part.items():
+        name, _, kind = key.rpartition(SEP)
+        if kind == WHOLE:
+            out[name] = (None, t)
+        elif kind == INDICES:
+            out[name] = (t, part[name + SEP + VALUES])
+        elif kind != VALUES:
+            raise ValueError(f"delta sync: {key!r} is not a patch ({SEP}{INDICES}, {SEP}{VALUES} or {SEP}{WHOLE})")
+    return out

@@ -1,0 +1,31 @@
+"""Delta syncs compared by the owners of the weights (`sync/owners.py`), from a real Megatron MoE
+model in TP 2 + EP 2 and PP 2 (2 gloo processes, `tests/mp/owner_delta_worker.py`): the round after
+a whole one is a delta, its bytes a fraction of the whole, the changed fraction the owners count is
+the true one, and the server (vLLM's patch loader on the previous version) holds bit for bit what
+the whole gather gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.helpers.models import TINY_MOE
+from tests.helpers.rollout import tiny_model_with_tokenizer
+from tests.mp.launch import torchrun
+
+
+def test_owners_compare_their_parts_and_the_server_holds_the_whole_gathers_tensors(tmp_path: Path) -> None:
+    model = tiny_model_with_tokenizer(TINY_MOE, tmp_path / "model", seed=4)
+    out = tmp_path / "owners.json"
+    torchrun("owner_delta_worker.py", str(model), "tp2_ep2_etp1,pp2", str(tmp_path / "node-shm"), str(out))
+    result = json.loads(out.read_text())
+    assert list(result) == ["tp2_ep2_etp1", "pp2"]
+    for layout, r in result.items():
+        assert r["dense"] == [1, 0], (layout, r)                        # whole, then a delta
+        assert r["bit_identical"], (layout, r)                          # every tensor, bit for bit
+        # ~1 % of the elements moved (each shard's own; 3 × 4 bytes per changed fp32 element).
+        assert 0.005 < r["true_frac"] < 0.02 and abs(r["changed_frac"] - r["true_frac"]) < 1e-12, (layout, r)
+        assert r["bytes"][1] < 0.05 * r["bytes"][0], (layout, r)
+        assert r["patched"] == r["changed_tensors"] > 0, (layout, r)
+        assert not r["receiver_alive"], (layout, r)                     # the transport closed its group
+        assert not list((tmp_path / "node-shm" / layout).iterdir())     # and the node's copy went with it
