@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 from ..config.rules import delta_sync_where
 from ..config.schema import ParallelismConfig, RecipeConfig
+from ..send_plan import parts
 from ..topology import recipe_shm_senders, transport_bucket_bytes, weight_copy_path
 from .memory import (
     DTYPE_BYTES,
@@ -216,10 +217,12 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemor
     where: str = ("/dev/shm (tmpfs)" if in_ram else "page cache of the shared run dir") if senders \
         else r.weight_transfer
     if senders and weight_copy_path(cfg).kind == "network":
-        # Rank 0 keeps a host copy to compare with only for delta syncs (`sync/network.py` shadow).
+        # Only delta syncs keep a host copy: each owner its part's (`sync/owners.py`), in its RAM.
         in_ram = delta_sync_where(cfg) is None and r.sync_delta != "off"
-        sync, later = (sync, later) if in_ram else (0.0, 0.0)
-        where = "/dev/shm (tmpfs): rank 0's copy of the last version, compared with (delta)" if in_ram \
+        node_bytes = owner_copy_bytes(params, cfg, by_node=True)
+        share = max(node_bytes.values()) / (params.total * DTYPE_BYTES[r.dtype])
+        sync, later = (sync * share, later * share) if in_ram else (0.0, 0.0)
+        where = "RAM: the owners' copies of their parts, the largest node's (delta)" if in_ram \
             else "none: streamed to the rollout nodes' receivers"
     if later != sync:           # QLoRA: the first sync's segments, re-created smaller after it
         where += f"; the first sync (the whole base), then {later:.1f} GB"
@@ -242,6 +245,28 @@ def vllm_host_terms(cfg: RecipeConfig, ro: RolloutMemory, params: ModelParams | 
     slept = ro.weights_gb * gpus if r.sleep_level == 1 else 0.0
     out.append(HostTerm("vllm_sleep", "vLLM weights while asleep", slept,
                         "sleep_level 1: weights backed up in host RAM" if slept else f"sleep_level {r.sleep_level}"))
+    return out
+
+
+def owner_copy_bytes(params: ModelParams, cfg: RecipeConfig, by_node: bool = False) -> dict[int, float]:
+    """Bytes of every weight in the rollout dtype, by the rank that owns it in a sync (each owner
+    keeps its part for delta syncs, `sync/owners.py`), per rank or (`by_node`) per node. Owners
+    are TP rank 0 (ETP rank 0 for experts) of the first replica, which unshards
+    the whole tensors (`weights/sharding.gather_to_rank0`); a stage's non-expert weights are taken
+    as 1/PP of them (the embedding and output layer sit on the first and last stage)."""
+    p, width = cfg.parallelism, DTYPE_BYTES[cfg.rollout.dtype]
+    experts = sum(b.params for b in params.blocks() if b.shard is Shard.EXPERT)
+    dense = (params.total - experts) / p.pipeline_model_parallel_size
+    expert = experts / (p.pipeline_model_parallel_size * p.expert_model_parallel_size)
+    try:
+        layout = parts(p, experts > 0)
+    except ValueError:      # a layout the recipe validator refuses (a `plan --nodes` what-if): one owner
+        return {0: width * params.total}
+    out: dict[int, float] = {}
+    for part in layout:
+        if part.shard == 0 and part.kind != "replicated":   # replicated: within the dense share
+            key = part.node if by_node else part.owner
+            out[key] = out.get(key, 0.0) + width * (expert if part.kind == "expert" else dense)
     return out
 
 

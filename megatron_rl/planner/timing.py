@@ -64,7 +64,7 @@ from ..config.rules import delta_sync_where
 from ..config.schema import RecipeConfig
 from ..topology import weight_copy_path
 from .gpus import HOST_STEP_OVERHEAD_S, IB_LATENCY_S, NVLINK_LATENCY_S, SHARED_FS_GB_S, GpuSpec
-from .host import first_sync_bytes, sync_bytes
+from .host import first_sync_bytes, owner_copy_bytes, sync_bytes
 from .memory import DTYPE_BYTES, GB, Hardware, RolloutMemory, dense_shards, expert_dp, seq_length
 from .params import ModelParams, Shard
 
@@ -394,7 +394,7 @@ def sync_seconds(params: ModelParams, cfg: RecipeConfig, ro: RolloutMemory, g: G
     share = delta_share(cfg, changed)
     gather, send, how = _sync_parts(nbytes, params, cfg, ro, g, share)
     why = delta_sync_where(cfg) or ("rollout.sync_delta: off" if cfg.rollout.sync_delta == "off" else None)
-    if share < 1.0:       # delta: rank 0 still gathers and compares every tensor; it sends the patches
+    if share < 1.0:       # delta: whole rounds every sync_dense_every, patches between
         how += (f" (delta: {changed:.1%} of elements changed, assumed; "
                 f"{share:.1%} of the bytes per sync, a dense one every {cfg.rollout.sync_dense_every})")
     else:
@@ -446,16 +446,37 @@ def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: Rollo
     if r.placement == "colocated" and nodes > 1:           # a sender per node, into its /dev/shm
         return gather, nbytes * share / (g.ib_gb_s * 1e9) + host_copy + load, "broadcast to a /dev/shm copy per node"
     if remote and weight_copy_path(cfg).kind == "network":
-        # Rank 0 compares with its host copy (host_copy), streams the round (patches, or all of
-        # it) once over its NIC to every receiver at once, each writes its node's /dev/shm copy
-        # (at the PCIe rate, `gpus.SHARED_FS_GB_S`' note), then the servers load at once.
-        sent = nbytes * share
-        return (gather, host_copy + sent / (g.ib_gb_s * 1e9) + sent / (g.pcie_gb_s * 1e9) + load,
-                "over the network into each rollout node's /dev/shm")
+        return _network_parts(nbytes, gather, load / share, params, cfg, g, share)
     if remote:            # servers on rollout nodes without receivers: the shared run directory
         fs = SHARED_FS_GB_S * 1e9
         return gather, host_copy + 2 * nbytes * share / fs + load, "segments in the shared run dir"
     return gather, host_copy + load, "/dev/shm segments"
+
+
+def _network_parts(nbytes: float, gather: float, load: float, params: ModelParams, cfg: RecipeConfig,
+                   g: GpuSpec, share: float) -> tuple[float, float, str]:
+    """`_sync_parts` of servers on rollout nodes with receivers (`sync/network.py`): per round, each
+    owner copies its part to its host (all at once, the largest part last: keep or compare,
+    `sync/owners.py`, `host.owner_copy_bytes`), rank 0 streams the round once over its NIC to
+    every receiver at once, each writes its node's /dev/shm copy (at the PCIe rate,
+    `gpus.SHARED_FS_GB_S`' note), then the servers load (`load`:
+    a whole version's). A whole round gathers every tensor to rank 0 first; a delta round only the
+    owners' patches (onto rank 0's host). `share`: the mean share of the bytes sent (delta), from
+    whole rounds every `rollout.sync_dense_every` and patches of `patch` of the bytes between."""
+    ib, pcie = g.ib_gb_s * 1e9, g.pcie_gb_s * 1e9
+    copies = owner_copy_bytes(params, cfg)
+    owners = len(copies)
+    own = nbytes * max(copies.values()) / sum(copies.values()) / pcie      # the largest owner's part
+    whole = own + nbytes / ib + nbytes / pcie + load
+    how = f"over the network into each rollout node's /dev/shm ({owners} owners copy their parts)"
+    if share >= 1.0:
+        return gather, whole, how
+    every = cfg.rollout.sync_dense_every
+    patch = (share * every - 1) / (every - 1)           # the delta rounds' share (`_delta_mean`)
+    sent = nbytes * patch
+    patches = sent * (1 - 1 / cfg.parallelism.nodes) / ib + sent / pcie
+    delta = own + sent / ib + sent / pcie + load * patch
+    return (gather + (every - 1) * patches) / every, (whole + (every - 1) * delta) / every, how
 
 
 COLD_READ_GB_S = 2.0

@@ -24,7 +24,11 @@ def open_member(address: str, port: int, rank: int, world_size: int, device: tor
     from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
     with torch.cuda.device(device):
-        return stateless_init_process_group(address, port, rank, world_size, device)
+        comm = stateless_init_process_group(address, port, rank, world_size, device)
+    if comm.disabled:       # no NCCL library, or VLLM_DISABLE_PYNCCL: every collective a silent no-op
+        raise RuntimeError(f"NCCL group member {rank}/{world_size} on {device}: vLLM's PyNcclCommunicator is "
+                           "disabled (libnccl not found, or VLLM_DISABLE_PYNCCL set): a broadcast would send nothing")
+    return comm
 
 
 def broadcast(comm: Any, tensors: dict[str, torch.Tensor], device: torch.device, packed: bool) -> None:

@@ -121,6 +121,13 @@ class CopyGroup:
                                        " s (a member died or hung): communicator aborted")
                 time.sleep(0.001)
 
+    def close(self) -> None:
+        """Ends this member's NCCL communicator (a local ncclCommAbort); gloo and the store go with
+        the objects."""
+        if self.nccl is not None:
+            self.nccl.destroy()
+            self.nccl = None
+
     def header(self, op: int = 0, meta: int = 0, nbytes: int = 0) -> tuple[int, int, int]:
         h = torch.tensor([op, meta, nbytes], dtype=torch.int64)
         self.broadcast(h)
@@ -171,6 +178,7 @@ class NodeCopyReceiver:
             if self.patches is not None:
                 self.patches.close()
             self.writer.close()
+            self.group.close()
 
     def _wait(self, key: str) -> str:
         """The store's value of `key`, once rank 0 has set it (a step, or the servers' load, may
@@ -404,6 +412,7 @@ class NetworkCopyTransport:
         self._flush()
         self._collective(self.group.header, FINISH)
         self.streaming = False
+        self._buffer = None         # a bucket on rank 0's GPU only while it streams, not across the step
         reports = self._collective(self.group.all_gather_json, {"rank": 0})[1:]
         landed = False
         try:
@@ -451,6 +460,7 @@ class NetworkCopyTransport:
         """The receivers drop the version (after a failed gather on rank 0's side); nothing if the
         stream itself failed (its group is broken). The owners' copies may be ahead: dense next."""
         self.policy.dense_next = True
+        self._buffer = None
         if self.streaming:
             self.streaming = False
             try:
@@ -466,6 +476,7 @@ class NetworkCopyTransport:
         if self.group.address_file is not None:
             self.group.address_file.unlink(missing_ok=True)
         self.group.store.set(f"round-{self.round + 1}", CLOSE)
+        self.group.close()
 
 
 def serve_node_copy(address: CopyGroupAddress, rank: int, segment_bytes: int, shm: Path | None = None,
@@ -501,11 +512,30 @@ def receivers_beside(server_dirs: Sequence[Path]) -> bool:
                      "rollout server with --weight-copy, or none")
 
 
+def nccl_hosts_problem(trainer_host: str, receiver_hosts: Sequence[str]) -> str | None:
+    """Why an NCCL copy group of rank 0 on `trainer_host` and a receiver on each of
+    `receiver_hosts` (each on its node's GPU 0) cannot form, or None: two members on one host share
+    its GPU 0, which NCCL refuses at init ("Duplicate GPU detected")."""
+    seen: dict[str, int] = {}
+    for k, h in enumerate(receiver_hosts):
+        if h == trainer_host:
+            return f"the receiver of rollout node {k} runs on the trainer's host {h!r} (a rollout node is its own host)"
+        if h in seen:
+            return f"rollout nodes {seen[h]} and {k} both run on host {h!r} (one receiver per node)"
+        seen[h] = k
+    return None
+
+
 def open_copy_group(root: Path, server_dirs: Sequence[Path], host: str, timeout_s: float,
                     device: torch.device) -> CopyGroup:
     """Trainer rank 0: publish the group's address under `root` (`$MEGATRON_RL_ROLLOUT_SERVERS`),
     receiver k + 1 for the server of `server_dirs[k]`, and wait (at most `timeout_s`) for all of
     them to join. `device`: where rank 0's data is (CUDA: over NCCL, from each receiver's GPU 0)."""
+    if device.type == "cuda":
+        hosts = [json.loads((Path(d) / "rollout" / RECEIVER_FILE).read_text())["hostname"] for d in server_dirs]
+        problem = nccl_hosts_problem(socket.gethostname(), hosts)
+        if problem:
+            raise ValueError(f"the rollout nodes' weight copy over NCCL: {problem}")
     address = CopyGroupAddress(host, free_port(host), 1 + len(server_dirs), timeout_s,
                                free_port(host) if device.type == "cuda" else None)
     spec = {"id": f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}", "host": host, "port": address.port,

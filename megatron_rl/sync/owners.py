@@ -8,7 +8,7 @@ Before this, rank 0 gathered every tensor of the model and compared it with a co
 model on its own host: for Qwen3-235B 470 GB over rank 0's NIC and 470 GB of device-to-host copies
 on rank 0 every step (17.8 s of the planned 21.3 s sync). Here each of the owners (64 on the
 235B recipe) copies and compares its own part, at once, and only the patches cross the network
-(`planner/timing.py`).
+(`planner/timing.py`: 6.7 s planned).
 
 What rank 0 collects in a delta round, per changed tensor `name` (`patch_names`): `name|i` (flat
 indices, int32 where they fit) and `name|v` (their values), or `name|w` (the whole tensor, past

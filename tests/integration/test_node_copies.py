@@ -94,8 +94,9 @@ def test_a_rollout_nodes_copy_arrives_over_gloo_into_its_shm(demo_weights_server
             assert "receivers (1) failed at version 3000004" in str(exc), exc
         assert time.monotonic() - start < 30
     finally:
+        transport.close()                  # also after the receiver died: rank 0's patch files go
         if receiver.poll() is None:
-            transport.close()
             receiver.wait(timeout=30)
         out = receiver.stdout.read() if receiver.stdout else ""
     assert receiver.returncode != 0, out                        # it was killed, not closed
+    assert transport.patches is not None and not transport.patches.dir.exists()   # rank 0's patch files went

@@ -33,6 +33,7 @@ def fleet(done: list[str], failing: str) -> tuple[RolloutFleet, WeightPublisher]
     f.supervisors = [Supervisor(), Supervisor()]
     p = WeightPublisher.__new__(WeightPublisher)
     p.links = [Part(n, done, n == failing) for n in ("transport-0", "transport-1")]
+    p.transport, p._pool = p.links[0], None          # a link-per-server transport, no overlap pool
     f.servers = [Part(n, done, n == failing) for n in ("server-0", "server-1")]
     f.own_server = Part("own", done, failing == "own")
     p.node_sender = Part("node-sender", done, failing == "node-sender")    # this node's /dev/shm copy

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from megatron_rl.ports import free_port
-from megatron_rl.sync.network import CopyGroup, CopyGroupAddress, NetworkCopyTransport, NodeCopyReceiver
+from megatron_rl.sync.network import (
+    CopyGroup,
+    CopyGroupAddress,
+    NetworkCopyTransport,
+    NodeCopyReceiver,
+    nccl_hosts_problem,
+)
 from tests.helpers.recording_server import Server
 
 BUCKET = 4 << 10
@@ -187,3 +193,32 @@ def test_delta_rounds_send_the_patches_to_every_node_whose_copy_then_holds_the_n
         for t in threads:
             t.join(timeout=30)
     assert not errors and not any(t.is_alive() for t in threads), errors
+
+
+def test_an_nccl_group_refuses_two_members_on_one_host() -> None:
+    """Each member is on its host's GPU 0: NCCL refuses two of them on one host at init, so the
+    trainer names the nodes before it opens the group."""
+    assert nccl_hosts_problem("train-0", ["roll-0", "roll-1"]) is None
+    assert "rollout node 1 runs on the trainer's host 'train-0'" in nccl_hosts_problem("train-0", ["roll-0", "train-0"])
+    assert "rollout nodes 0 and 2 both run on host 'roll-0'" in nccl_hosts_problem("t", ["roll-0", "roll-1", "roll-0"])
+
+
+def test_a_disabled_nccl_communicator_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's PyNcclCommunicator without libnccl (or with VLLM_DISABLE_PYNCCL) makes every
+    broadcast a no-op that returns: the receivers would keep their old bytes. Refused at the join."""
+    import contextlib
+    import types
+
+    import vllm.distributed.weight_transfer.nccl_common as common
+
+    from megatron_rl.rollout import nccl_sender
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    for disabled in (True, False):
+        comm = types.SimpleNamespace(disabled=disabled)
+        monkeypatch.setattr(common, "stateless_init_process_group", lambda *args, comm=comm: comm)
+        if disabled:
+            with pytest.raises(RuntimeError, match="PyNcclCommunicator is disabled"):
+                nccl_sender.open_member("127.0.0.1", 1, 1, 2, torch.device("cuda", 0))
+        else:
+            assert nccl_sender.open_member("127.0.0.1", 1, 1, 2, torch.device("cuda", 0)) is comm

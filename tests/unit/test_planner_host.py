@@ -31,6 +31,7 @@ from megatron_rl.planner.host import (
     sample_object_bytes,
 )
 from megatron_rl.planner.memory import GB, Hardware
+from megatron_rl.planner.params import Shard
 from megatron_rl.planner.plan import estimate
 from megatron_rl.planner.timing import Workload
 from megatron_rl.train.batch import Scores, build_batch
@@ -231,9 +232,13 @@ def test_host_terms_by_hand_and_verdict(capsys: pytest.CaptureFixture[str]) -> N
     # Padded rows of 4608: int64 tokens, fp32 mask + rollout/π_old/π_ref log-probs, advantages.
     assert terms["batch"].gb == pytest.approx(8 * 2560 * (8 * 4608 + 16 * 4607 + 4) / GB)
     # Servers on rollout nodes get every version over the network (delta, the default `auto`):
-    # rank 0 keeps the last one in its /dev/shm to compare with (RAM, resident), each rollout node
-    # its copy in its /dev/shm (the receiver's).
-    assert not terms["sync_segments"].reclaimable and terms["sync_segments"].gb == pytest.approx(params.total * 2 / GB)
+    # each owner keeps its part of the last one in its RAM to compare with (resident); rank 0's node
+    # holds the most: TP rank 0 owns every non-expert tensor (TP 2, PP 1), and each of its 8 ranks
+    # 1/64 of the experts. Each rollout node keeps its copy in its /dev/shm (the receiver's).
+    experts = sum(b.params for b in params.blocks() if b.shard is Shard.EXPERT)
+    node0 = 2 * (params.total - experts + 8 * experts / 64)
+    assert not terms["sync_segments"].reclaimable and terms["sync_segments"].gb == pytest.approx(node0 / GB)
+    assert "the owners' copies" in terms["sync_segments"].note
     assert terms["sync_segments"].label == "weight-sync segments (rank 0's node)"
     assert {t.key: t.gb for t in rollout.host_terms}["node_copy"] == pytest.approx(params.total * 2 / GB)
     off = estimate(load_recipe(path, ["rollout.sync_delta=off"]), params, Hardware(8, 80.0)).nodes[0]
