@@ -17,6 +17,21 @@ def open_group(address: str, port: int, world_size: int, device: torch.device) -
     return open_member(address, port, 0, world_size, device)
 
 
+def nccl_unusable() -> str | None:
+    """Why vLLM's PyNcclCommunicator would come up disabled in this process (every collective then
+    a silent no-op), or None: the checks of its constructor (`pynccl.py`), before any member joins."""
+    import vllm.envs as envs
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+    if envs.VLLM_DISABLE_PYNCCL:
+        return "VLLM_DISABLE_PYNCCL is set"
+    try:
+        NCCLLibrary()
+    except Exception as e:   # what vLLM's constructor catches: the library did not load
+        return f"libnccl did not load ({type(e).__name__}: {e})"
+    return None
+
+
 def open_member(address: str, port: int, rank: int, world_size: int, device: torch.device) -> Any:
     """Member `rank` of a stateless NCCL group (vLLM's PyNcclCommunicator on the CUDA `device`;
     rank 0 hosts its store at `address:port`): the servers' weight-transfer group, or the rollout

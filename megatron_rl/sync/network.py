@@ -90,8 +90,15 @@ class CopyGroup:
         if self.device.type == "cuda":
             if address.nccl_port is None:
                 raise ValueError("a CUDA copy group needs CopyGroupAddress.nccl_port (NCCL takes CUDA tensors only)")
-            from ..rollout.nccl_sender import open_member
+            from ..rollout.nccl_sender import nccl_unusable, open_member
 
+            # A member whose NCCL would be disabled never reaches ncclCommInitRank, where the others
+            # would then wait without a deadline: every member says first, over gloo (which has one).
+            unusable = [(k, why) for k, why in enumerate(self.all_gather_json(nccl_unusable())) if why]
+            if unusable:
+                raise RuntimeError("the copy group's NCCL cannot form: " + "; ".join(
+                    f"{'trainer rank 0' if k == 0 else f'the receiver of rollout node {k - 1}'}: {why}"
+                    for k, why in unusable))
             self.nccl = open_member(address.host, address.nccl_port, rank, address.world, self.device)
 
     def broadcast(self, t: torch.Tensor) -> None:
@@ -116,7 +123,7 @@ class CopyGroup:
             deadline = time.monotonic() + self.address.timeout_s
             while not done.query():
                 if time.monotonic() > deadline:
-                    self.nccl.destroy()
+                    self.close()        # not left in place disabled: a later broadcast would be a no-op
                     raise RuntimeError(f"NCCL broadcast of {t.nbytes} bytes not done after {self.address.timeout_s:.0f}"
                                        " s (a member died or hung): communicator aborted")
                 time.sleep(0.001)
@@ -175,10 +182,12 @@ class NodeCopyReceiver:
                 if self.receive(int(version), kind == DELTA):
                     self.settle()
         finally:
-            if self.patches is not None:
-                self.patches.close()
-            self.writer.close()
-            self.group.close()
+            try:
+                if self.patches is not None:
+                    self.patches.close()
+                self.writer.close()
+            finally:
+                self.group.close()
 
     def _wait(self, key: str) -> str:
         """The store's value of `key`, once rank 0 has set it (a step, or the servers' load, may
@@ -470,13 +479,15 @@ class NetworkCopyTransport:
 
     def close(self) -> None:
         """The receivers return (their copies go with them)."""
-        if self.patches is not None:
-            self.patches.close()
-            shutil.rmtree(self.patches.dir, ignore_errors=True)
-        if self.group.address_file is not None:
-            self.group.address_file.unlink(missing_ok=True)
-        self.group.store.set(f"round-{self.round + 1}", CLOSE)
-        self.group.close()
+        try:
+            if self.patches is not None:
+                self.patches.close()
+                shutil.rmtree(self.patches.dir, ignore_errors=True)
+            if self.group.address_file is not None:
+                self.group.address_file.unlink(missing_ok=True)
+            self.group.store.set(f"round-{self.round + 1}", CLOSE)
+        finally:
+            self.group.close()
 
 
 def serve_node_copy(address: CopyGroupAddress, rank: int, segment_bytes: int, shm: Path | None = None,

@@ -222,3 +222,42 @@ def test_a_disabled_nccl_communicator_is_refused(monkeypatch: pytest.MonkeyPatch
                 nccl_sender.open_member("127.0.0.1", 1, 1, 2, torch.device("cuda", 0))
         else:
             assert nccl_sender.open_member("127.0.0.1", 1, 1, 2, torch.device("cuda", 0)) is comm
+
+
+def test_nccl_unusable_says_why_before_any_member_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What would make vLLM's communicator come up disabled, checked the way its constructor does:
+    here (no GPU build of libnccl) the library does not load; with VLLM_DISABLE_PYNCCL that is said."""
+    from megatron_rl.rollout.nccl_sender import nccl_unusable
+
+    monkeypatch.setenv("VLLM_DISABLE_PYNCCL", "1")
+    assert nccl_unusable() == "VLLM_DISABLE_PYNCCL is set"
+    monkeypatch.setenv("VLLM_DISABLE_PYNCCL", "0")
+    monkeypatch.setenv("VLLM_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
+    assert "libnccl did not load" in (nccl_unusable() or "")
+
+
+def test_a_member_whose_nccl_would_be_disabled_stops_every_member_at_the_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receiver 1 (a thread here) has no usable NCCL: it would never reach ncclCommInitRank, where
+    the others would wait with no deadline. Every member says first over gloo, so both ends raise at
+    once, naming it, and nobody opens a communicator."""
+    from megatron_rl.rollout import nccl_sender
+
+    monkeypatch.setattr(nccl_sender, "nccl_unusable",
+                        lambda: "libnccl did not load" if threading.current_thread().name == "member1" else None)
+    monkeypatch.setattr(nccl_sender, "open_member", lambda *a: pytest.fail("no member may open NCCL"))
+    address = CopyGroupAddress("127.0.0.1", free_port("127.0.0.1"), 2, timeout_s=30.0, nccl_port=1)
+    errors: dict[int, BaseException] = {}
+
+    def join(rank: int) -> None:
+        try:
+            CopyGroup(address, rank, torch.device("cuda", 0))
+        except RuntimeError as exc:
+            errors[rank] = exc
+
+    member = threading.Thread(target=join, args=(1,), name="member1", daemon=True)
+    member.start()
+    join(0)
+    member.join(timeout=30)
+    assert sorted(errors) == [0, 1]
+    for exc in errors.values():
+        assert "NCCL cannot form: the receiver of rollout node 0: libnccl did not load" in str(exc)
