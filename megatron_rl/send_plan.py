@@ -16,9 +16,10 @@ What each transport does with the plan (`transport_plan`):
   need no gather across nodes, only the others do (`node_parts`).
 - `nccl`: vLLM's `nccl_m2n` (every trainer rank sends its own shard into the servers' layout, no
   gather) where nccl-extensions is importable and the layout is one m2n can express (`m2n_refusal`),
-  else vLLM's broadcast from rank 0 after the gather; with delta sync, vLLM's `sparse_nccl`
-  (patches from rank 0, the only sender that engine has: sparse_nccl_engine.py,
-  `SparseNCCLTrainerWeightTransferEngine`).
+  else vLLM's broadcast from rank 0 after the gather; with delta sync, the owners' patches are
+  gathered to rank 0 and broadcast in vLLM's `sparse_nccl` format (rank 0 the only sender, as in
+  sparse_nccl_engine.py's `SparseNCCLTrainerWeightTransferEngine`), between whole rounds: the
+  servers' `mrl_nccl` engine takes both (`rollout/engines/gpu.py`).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def m2n_refusal(cfg: RecipeConfig, moe: bool) -> str | None:
     return None
 
 
-Engine = Literal["mrl_shm", "mrl_nccl", "mrl_sparse_nccl", "nccl_m2n", "mrl_ipc"]
+Engine = Literal["mrl_shm", "mrl_nccl", "nccl_m2n", "mrl_ipc"]
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,10 @@ def transport_plan(cfg: RecipeConfig, moe: bool, senders: Sequence[int], delta: 
     if backend == "ipc":
         return TransportPlan("mrl_ipc", True, (0,), "ipc: rank 0 copies every gathered part to the servers' GPUs")
     if delta:
-        return TransportPlan("mrl_sparse_nccl", True, (0,),
-                             "nccl with delta sync: vLLM's sparse_nccl, patches broadcast from rank 0 (its one sender)")
+        return TransportPlan("mrl_nccl", True, (0,),
+                             "nccl with delta sync: the owners' patches, gathered to rank 0 and broadcast in vLLM's "
+                             "sparse_nccl format, a whole broadcast every rollout.sync_dense_every syncs (not "
+                             "nccl_m2n: it sends whole tensors)")
     why = m2n_refusal(cfg, moe)
     if m2n is None:
         m2n = m2n_importable()
@@ -189,12 +192,12 @@ def transport_plan(cfg: RecipeConfig, moe: bool, senders: Sequence[int], delta: 
     return TransportPlan("mrl_nccl", True, (0,), f"nccl: vLLM's broadcast from rank 0 (not nccl_m2n: {reason})")
 
 
-def nccl_in_force(cfg: RecipeConfig, moe: bool, m2n: bool | None = None) -> str:
+def nccl_in_force(cfg: RecipeConfig, moe: bool, m2n: bool | None = None, delta: bool = False) -> str:
     """The start-up line of a `rollout.weight_transfer: nccl` run: what megatron-rl sends with
-    today — vLLM's broadcast from rank 0 (`sync/gpu.py`), whatever `transport_plan` would choose —
-    and why not nccl_m2n, which is planned here and not yet driven (GPU audit 5 #7: the line must
-    not claim a transfer the run does not make)."""
-    plan = transport_plan(cfg, moe, [0], delta=False, m2n=m2n)
+    today — vLLM's broadcast from rank 0 (`sync/gpu.py`), with `delta` its sparse rounds, whatever
+    `transport_plan` would choose — and why not nccl_m2n, which is planned here and not yet driven
+    (GPU audit 5 #7: the line must not claim a transfer the run does not make)."""
+    plan = transport_plan(cfg, moe, [0], delta=delta, m2n=m2n)
     if plan.engine == "mrl_nccl":
         return plan.why
     return ("nccl: vLLM's broadcast from rank 0 (nccl_m2n would carry this layout and nccl-extensions is "

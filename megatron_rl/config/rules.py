@@ -259,11 +259,14 @@ def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
 
 def delta_sync_where(cfg: RecipeConfig) -> str | None:
     """Why this recipe's syncs cannot be deltas (`sync/delta.py`), or None: they can (weight
-    transfer `shm` to servers on the trainer's one node, or on rollout nodes that keep their copy
-    in their /dev/shm, `topology.weight_copy_path`)."""
+    transfer `nccl`, in vLLM's sparse_nccl format; `shm` to servers on the trainer's one node, or
+    on rollout nodes that keep their copy in their /dev/shm, `topology.weight_copy_path`)."""
     r = cfg.rollout
-    if r.weight_transfer != "shm":
-        return f"weight_transfer {r.weight_transfer!r} sends every version whole"
+    if r.weight_transfer == "ipc":
+        return "weight_transfer 'ipc' sends every version whole"
+    if r.weight_transfer == "nccl":
+        return "a level-2 sleep drops the servers' weights, which every sync then refills whole" \
+            if r.sleep_level == 2 else None
     if r.placement == "disaggregated" and weight_copy_path(cfg).kind == "shared_run_dir":
         return "servers on rollout nodes read a new directory of the shared run dir every update"
     if r.placement == "colocated" and cfg.parallelism.nodes > 1:

@@ -216,8 +216,10 @@ class RolloutConfig:
     (resume from the checkpoint)."""
     sync_delta: Literal["auto", "on", "off"] = "auto"
     """Send only the elements an optimizer step changed (`sync/delta.py`): 'auto' = where the
-    transport supports it, i.e. 'shm' to servers on the trainer's node (each tensor compared with
-    the last version kept in /dev/shm; dense elsewhere); 'on' = there, and refused where not
+    transport supports it: 'shm' to servers on the trainer's node or on rollout nodes with
+    receivers, and 'nccl' (each owner of a part compares it with its host copy of the last version,
+    `sync/owners.py`; on 'nccl' the patches go in vLLM's sparse_nccl format; dense elsewhere, and
+    on 'ipc'); 'on' = there, and refused where not
     supported; 'off' = every version whole. Rounds that go whole anyway: the first, every
     `sync_dense_every`-th, a diagnosis' re-send, one after a failed round, and one whose tensors
     differ from the last round's (LoRA/QLoRA's first syncs); a tensor whose changed fraction

@@ -224,6 +224,12 @@ def trainer_host_terms(cfg: RecipeConfig, params: ModelParams, stage: StageMemor
         sync, later = (sync * share, later * share) if in_ram else (0.0, 0.0)
         where = "RAM: the owners' copies of their parts, the largest node's (delta)" if in_ram \
             else "none: streamed to the rollout nodes' receivers"
+    if r.weight_transfer == "nccl" and delta_sync_where(cfg) is None and r.sync_delta != "off":
+        # The owners' host copies of their parts (`sync/owners.py`, `sync/gpu.NcclTransport`).
+        in_ram = True
+        share = max(owner_copy_bytes(params, cfg, by_node=True).values()) / (params.total * DTYPE_BYTES[r.dtype])
+        sync, later = first_sync_bytes(params, cfg) / GB * share, sync_bytes(params, cfg) / GB * share
+        where = "RAM: the owners' copies of their parts, the largest node's (nccl delta)"
     if later != sync:           # QLoRA: the first sync's segments, re-created smaller after it
         where += f"; the first sync (the whole base), then {later:.1f} GB"
     label = "weight-sync segments (every node)" if len(senders) > 1 else "weight-sync segments (rank 0's node)"

@@ -439,7 +439,10 @@ def _sync_parts(nbytes: float, params: ModelParams, cfg: RecipeConfig, ro: Rollo
     # Each server GPU loads its part of what is sent (all of its weights, or LoRA's touched share).
     load = ro.weights_gb * GB * nbytes / (params.total * DTYPE_BYTES[r.dtype]) / (g.pcie_gb_s * 1e9) * share
     if r.weight_transfer == "nccl":
-        return gather, nbytes / ((g.ib_gb_s if remote else g.nvlink_gb_s) * 1e9), "one NCCL broadcast"
+        link = (g.ib_gb_s if remote else g.nvlink_gb_s) * 1e9
+        if share >= 1.0:
+            return gather, nbytes / link, "one NCCL broadcast"
+        return _nccl_delta_parts(nbytes, gather, params, cfg, g, share, link)
     if r.weight_transfer == "ipc":
         return gather, nbytes * r.tensor_parallel_size * r.data_parallel_size / (g.nvlink_gb_s * 1e9), "CUDA IPC copies"
     host_copy = nbytes / (g.pcie_gb_s * 1e9)         # into the segments (and, delta, the comparison)
@@ -477,6 +480,25 @@ def _network_parts(nbytes: float, gather: float, load: float, params: ModelParam
     patches = sent * (1 - 1 / cfg.parallelism.nodes) / ib + sent / pcie
     delta = own + sent / ib + sent / pcie + load * patch
     return (gather + (every - 1) * patches) / every, (whole + (every - 1) * delta) / every, how
+
+
+def _nccl_delta_parts(nbytes: float, gather: float, params: ModelParams, cfg: RecipeConfig, g: GpuSpec,
+                      share: float, link: float) -> tuple[float, float, str]:
+    """`_sync_parts` of `nccl` with delta (`sync/gpu.NcclTransport`): per round each owner copies
+    its part to its host (all at once, the largest last: keep or compare, `sync/owners.py`); a
+    whole round gathers every tensor to rank 0 and broadcasts it, a delta round gathers only the
+    owners' patches (onto rank 0's GPU) and broadcasts them in vLLM's sparse_nccl format, which
+    the servers apply in place (no layer-wise reload; the whole broadcast's load is not counted
+    either, as without delta)."""
+    ib, pcie, nvlink = g.ib_gb_s * 1e9, g.pcie_gb_s * 1e9, g.nvlink_gb_s * 1e9
+    copies = owner_copy_bytes(params, cfg)
+    own = nbytes * max(copies.values()) / sum(copies.values()) / pcie      # the largest owner's part
+    every, nodes = cfg.rollout.sync_dense_every, cfg.parallelism.nodes
+    patch = (share * every - 1) / (every - 1)           # the delta rounds' share (`_delta_mean`)
+    sent = nbytes * patch
+    patches = sent * (1 - 1 / nodes) / ib + sent / nodes / nvlink
+    how = f"one NCCL broadcast, sparse_nccl patches between whole ones ({len(copies)} owners copy their parts)"
+    return (gather + (every - 1) * patches) / every, own + (nbytes + (every - 1) * sent) / every / link, how
 
 
 COLD_READ_GB_S = 2.0

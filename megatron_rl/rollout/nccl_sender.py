@@ -64,3 +64,17 @@ def broadcast(comm: Any, tensors: dict[str, torch.Tensor], device: torch.device,
         for t in tensors.values():
             comm.broadcast(t, src=0, stream=stream)
         stream.synchronize()
+
+
+def broadcast_patches(comm: Any, patches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+    """Send a sparse round's (int32 indices, values) per tensor (contiguous, on `device`) in order,
+    indices first: what vLLM's sparse receive (`SparseNCCLWeightTransferEngine.receive_weights`)
+    posts on every worker, one broadcast each, never packed."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        # The patches were just written on this stream (the gather, the .to copies); NCCL's
+        # broadcast is enqueued on the same stream, so no wait is needed before it.
+        for indices, values in patches:
+            comm.broadcast(indices, src=0, stream=stream)
+            comm.broadcast(values, src=0, stream=stream)
+        stream.synchronize()

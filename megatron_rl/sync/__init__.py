@@ -10,7 +10,8 @@ backend (`rollout.weight_transfer`):
   rank 0's broadcast: those ranks hold a transport too, and take every part in step. For servers
   on rollout nodes, `network.py` streams each version to a receiver per rollout node, into that
   node's /dev/shm (`rollout-server --weight-copy`; servers without one read the shared run dir).
-- `nccl`, `ipc` (`gpu.py`): vLLM's own GPU engines.
+- `nccl`, `ipc` (`gpu.py`): vLLM's own GPU engines; `nccl`'s delta rounds in vLLM's `sparse_nccl`
+  format, compared by the owners of the weights (`owners.py`).
 
 `lora.py` sends only what LoRA adapters change; `verify.py` checks what the servers then compute,
 and `diagnose.py` says which tensors arrived altered when that check fails.
@@ -198,20 +199,22 @@ def make_transport(backend: Backend, servers: Sequence[EngineServer], sync_root:
     weights through (`latest`, `resend_latest`, `supervise`, `close`). `segment_bytes` is
     `rollout.sync_bucket_mb` (the GPU backends' bucket, which `ipc` caps). The GPU backends send
     from `device`, by default this rank's current CUDA device (where the gather puts the weights).
-    `delta`, `dense_every`: `rollout.sync_delta`, `rollout.sync_dense_every` (shm only)."""
+    `delta`, `dense_every`: `rollout.sync_delta`, `rollout.sync_dense_every` (shm and nccl; ipc
+    sends every version whole)."""
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if backend == "shm":
         shared = SharedSegmentTransport(servers, sync_root, segment_bytes=segment_bytes, delta=delta,
                                         dense_every=dense_every)
         return shared, list(shared.links)
-    if delta == "on":
-        raise ValueError(f"rollout.sync_delta: 'on' is supported by weight_transfer 'shm' only, not {backend!r} "
-                         "(use 'auto': dense there)")
+    if delta == "on" and backend == "ipc":
+        raise ValueError("rollout.sync_delta: 'on' is not supported by weight_transfer 'ipc', which sends every "
+                         "version whole (use 'auto': whole there, or 'shm' / 'nccl')")
     if device is None or device.type != "cuda":
         raise ValueError(f"rollout.weight_transfer: {backend!r} sends from a CUDA device; this trainer has "
                          f"{device}. Use 'shm' without GPUs")
     bucket = transport_bucket_bytes(backend, segment_bytes)       # ipc: capped (topology.py says why)
-    gpu = NcclTransport(servers, device, bucket_bytes=bucket) if backend == "nccl" else \
-        IpcTransport(servers, device, bucket_bytes=bucket)
+    gpu: NcclTransport | IpcTransport = \
+        NcclTransport(servers, device, bucket_bytes=bucket, delta=delta, dense_every=dense_every) \
+        if backend == "nccl" else IpcTransport(servers, device, bucket_bytes=bucket)
     return gpu, list(gpu.links)

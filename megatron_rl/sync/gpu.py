@@ -27,6 +27,7 @@ Neither keeps a copy of the weights, so a restarted server cannot be brought bac
 from __future__ import annotations
 
 import base64
+import math
 import pickle
 import socket
 import threading
@@ -39,8 +40,10 @@ import httpx
 import torch
 
 from ..ports import free_port
-from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, open_group
+from ..rollout.nccl_sender import PACKED_BUFFER_BYTES, PACKED_BUFFERS, broadcast, broadcast_patches, open_group
 from ..topology import ipc_devices
+from .delta import DeltaPolicy, DeltaStats, Mode
+from .owners import OwnerCopy, patch_names
 from .routes import EngineLink, EngineServer, on_every_server, one_result, round_deadline_s
 
 
@@ -62,29 +65,23 @@ SparsePatch = tuple[str, torch.Tensor, torch.Tensor, tuple[int, ...]]
 (weight_transfer/sparse_nccl_engine.py), which its trainer engine broadcasts as indices then values."""
 
 
-def sparse_patch(name: str, new: torch.Tensor, old: torch.Tensor | None) -> SparsePatch | None:
-    """What vLLM's `sparse_nccl` gets for one tensor (`new` on the host, `old`: the version the
-    servers hold, None when they hold none): None when nothing changed; the changed elements; or
-    every index (a whole tensor: past the break-even, no previous version, or a tensor a sparse
-    patch would corrupt, `delta.whole_only`). That engine has no dense path (a server runs one
-    engine), and takes int32 indices only (`_validate_patch`) and floating-point tensors only
-    (checkpoint_weight_patch.py `copy_non_nan_`): refused here, naming the tensor."""
-    from .delta import break_even, changed, whole_only
-
-    flat = new.detach().reshape(-1)
-    if not flat.dtype.is_floating_point:
-        raise ValueError(f"{name}: sparse_nccl loads floating-point tensors only, not {flat.dtype}")
-    if flat.numel() >= 2**31:
-        raise ValueError(f"{name}: {flat.numel()} elements; sparse_nccl's indices are int32")
-    if old is None or whole_only(name):
-        where = torch.arange(flat.numel())
-    else:
-        where = changed(flat, old.reshape(-1))
-        if not where.numel():
-            return None
-        if where.numel() > break_even(flat.dtype, flat.numel()) * flat.numel():
-            where = torch.arange(flat.numel())
-    return name, where.to(torch.int32), flat[where], tuple(new.shape)
+def sparse_patches(part: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> list[SparsePatch]:
+    """A delta round's patches of a part as rank 0 collected them from their owners
+    (`owners.patch_names`: indices and values, or a whole tensor) in vLLM's `sparse_nccl` format,
+    on the device they came on. `shapes`: every tensor's full shape, from the last whole round.
+    That format has no whole-tensor patch, so a whole one goes as every index (3 × its bf16 bytes:
+    rare, past the break-even or a `delta.whole_only` tensor); indices are int32 only (its
+    `_validate_patch`), so a tensor of 2³¹ elements or more is refused, naming it."""
+    out: list[SparsePatch] = []
+    for name, (indices, values) in patch_names(part).items():
+        if name not in shapes:
+            raise RuntimeError(f"delta sync: a patch of {name}, which the last whole sync did not send")
+        if math.prod(shapes[name]) >= 2**31:
+            raise ValueError(f"{name}: {math.prod(shapes[name])} elements; sparse_nccl's indices are int32")
+        if indices is None:
+            indices = torch.arange(values.numel(), dtype=torch.int32, device=values.device)
+        out.append((name, indices.to(torch.int32).reshape(-1), values.reshape(-1), shapes[name]))
+    return out
 
 
 def sparse_update_request(patches: Sequence[SparsePatch]) -> dict[str, Any]:
@@ -94,13 +91,6 @@ def sparse_update_request(patches: Sequence[SparsePatch]) -> dict[str, Any]:
             "dtype_names": [str(p[2].dtype).removeprefix("torch.") for p in patches],
             "shapes": [list(p[3]) for p in patches],
             "num_updates_list": [int(p[1].numel()) for p in patches]}
-
-
-def sparse_init_request(address: str, port: int, rank_offset: int, world_size: int) -> dict[str, Any]:
-    """The /init_weight_transfer_engine body of a `sparse_nccl` server (vLLM's
-    `NCCLWeightTransferInitInfo`, unpacked: sparse transfers are never packed)."""
-    return {"master_address": address, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
-            "packed": False}
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -219,9 +209,13 @@ class _GpuTransport:
         self.flush()
         if sorted(self.sent) != sorted(names):
             raise RuntimeError(f"weight update incomplete: {len(self.sent)} tensors sent, {len(names)} expected")
+        return self._close_round()
+
+    def _close_round(self) -> dict[str, Any]:
+        """Every server finishes the update and checks that each worker loaded all `self.sent`."""
         def close(link: GpuLink) -> dict[str, Any]:
             # version None: finished, not yet committed (vLLM's GPU engines carry no version)
-            link.finish(self.version, self.sent_bytes, expect={"version": None, "tensors": len(names)})
+            link.finish(self.version, self.sent_bytes, expect={"version": None, "tensors": len(self.sent)})
             return one_result(link.server.rpc("mrl_commit_version", str(self.version)))
 
         # Every server finalises its reloaded layers at once (audit 3 finding 7).
@@ -243,16 +237,105 @@ class _GpuTransport:
 
 
 class NcclTransport(_GpuTransport):
-    """vLLM's `nccl` engine: one broadcast from rank 0's GPU reaches every worker of every server."""
+    """vLLM's `nccl` engine: one broadcast from rank 0's GPU reaches every worker of every server.
+
+    With `delta` (`rollout.sync_delta`), a round may be a delta (`wants_delta`, rank 0's decision,
+    which `sync_weights` tells every rank): each owner of a part compares it with its own host copy
+    (`owners.py`), the gather brings only the patches to rank 0, and `send_patches` broadcasts them
+    in vLLM's `sparse_nccl` format, which every server's `mrl_nccl` engine applies in place through
+    vLLM's patch loader (`rollout/engines/gpu.py`). A whole round goes as without delta."""
 
     def __init__(self, servers: Sequence[EngineServer], device: torch.device, *, bucket_bytes: int,
-                 packed: bool = True, master_address: str | None = None) -> None:
+                 packed: bool = True, master_address: str | None = None, delta: Mode = "off",
+                 dense_every: int = 20) -> None:
         super().__init__(servers, device, bucket_bytes=bucket_bytes)
         self.packed = packed
         self.master_address = master_address
         self.comm: Any = None
+        self.policy = DeltaPolicy(delta, dense_every)
+        self.owners: OwnerCopy | None = OwnerCopy() if delta != "off" else None
+        """Rank 0's own part of the comparison (every owner holds one: `owners.py`)."""
+        self.stats = DeltaStats()
+        self.delta = False
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        """Every tensor of the last whole round that landed, by HF name: what the servers hold."""
+        self.held_for: tuple[list[int], frozenset[str] | None] | None = None
+        """The servers' restart counts and the names sent (None: every tensor) when the last round
+        landed; None: the servers may hold a mix (a failed round, a new group)."""
+        self.next_only: frozenset[str] | None = None
+        self.patches: list[SparsePatch] = []
+        self.patch_bytes = 0
+        self.round_shapes: dict[str, tuple[int, ...]] = {}
+        """The shapes of what this whole round sent so far."""
+
+    def wants_delta(self, only: set[str] | None = None) -> bool:
+        """Whether the next round can be a delta: the policy says so, and every server holds the
+        last round that landed (none restarted since), which sent the same tensors as this one."""
+        now = ([link.server.restarts for link in self.links], frozenset(only) if only is not None else None)
+        return self.owners is not None and self.held_for == now and self.policy.wants_delta(True)
+
+    def begin(self, version: int, delta: bool = False, only: set[str] | None = None) -> None:
+        super().begin(version)
+        self.delta, self.stats = delta, DeltaStats(dense=not delta)
+        self.next_only = frozenset(only) if only is not None else None
+        self.patches, self.patch_bytes, self.round_shapes = [], 0, {}
+
+    def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
+        assert not self.delta, "a delta round takes patches (send_patches)"
+        super().send_bucket(tensors)
+        self.stats.bytes += sum(t.nbytes for t in tensors.values())
+
+    def send_patches(self, part: dict[str, torch.Tensor]) -> None:
+        """A delta round's patches of a part (`owners.patch_names`), broadcast once a bucket's worth
+        is pending (`bucket_bytes`, as whole tensors are)."""
+        assert self.delta, "begin(delta=True) first"
+        for patch in sparse_patches(part, self.shapes):
+            self.patches.append(patch)
+            self.patch_bytes += patch[1].nbytes + patch[2].nbytes
+        if self.patch_bytes >= self.bucket_bytes:
+            self._flush_patches()
+
+    def _flush_patches(self) -> None:
+        if not self.patches:
+            return
+        local = [(n, i.to(self.device).contiguous(), v.to(self.device).contiguous(), shape)
+                 for n, i, v, shape in self.patches]
+        nbytes, self.patches, self.patch_bytes = self.patch_bytes, [], 0
+        body = sparse_update_request(local)
+        _on_threads([partial(link.update, body, nbytes) for link in self.links],
+                    partial(broadcast_patches, self.comm, [(i, v) for _, i, v, _ in local], self.device),
+                    SETTLE_S if self.sent_bytes == 0 else 0.0)
+        self.sent += body["names"]
+        self.sent_bytes += nbytes
+        self.stats.bytes += nbytes
+
+    def finish(self, names: list[str] | None) -> dict[str, Any]:
+        """`names`: every tensor of a whole round (a delta round's are its patches')."""
+        try:
+            if self.delta:
+                self._flush_patches()
+                result = self._close_round()
+            else:
+                assert names is not None, "a whole round names its tensors"
+                result = super().finish(names)
+        except BaseException:
+            self.held_for, self.policy.dense_next = None, True       # a server may hold part of it
+            raise
+        if not self.delta:
+            self.shapes = self.round_shapes
+        self.policy.done(dense=not self.delta)
+        self.held_for = ([link.server.restarts for link in self.links], self.next_only)
+        return result
+
+    def abort(self) -> None:
+        """As `_GpuTransport.abort`; the servers (and the owners' copies) may hold part of the
+        round: the next one is whole."""
+        self.patches, self.patch_bytes = [], 0
+        self.held_for, self.policy.dense_next = None, True
+        super().abort()
 
     def _connect(self) -> None:
+        self.held_for = None          # a new group: its servers' weights are not known here
         if self.comm is not None:
             for link in self.links:
                 link.server.post("/shutdown_weight_transfer_engine")
@@ -279,6 +362,7 @@ class NcclTransport(_GpuTransport):
                     partial(broadcast, self.comm, local, self.device, self.packed),
                     SETTLE_S if self.sent_bytes == 0 else 0.0)
         self.sent += meta["names"]
+        self.round_shapes.update({n: tuple(t.shape) for n, t in local.items()})
 
 
 class IpcTransport(_GpuTransport):

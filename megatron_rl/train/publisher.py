@@ -133,7 +133,7 @@ class WeightPublisher:
                                                         dense_every=r.sync_dense_every)
             if r.weight_transfer == "nccl":     # the engine in force, and why not nccl_m2n (send_plan.py);
                 # `moe` only matters at EP > 1, which only an MoE model has
-                print(f"[rollout] weight sync: {nccl_in_force(self.cfg, True)}", flush=True)
+                print(f"[rollout] weight sync: {nccl_in_force(self.cfg, True, delta=delta != 'off')}", flush=True)
         if self.cfg.lora.base_quantization != "none":
             for link in self.links:
                 if isinstance(link, ShmLink):

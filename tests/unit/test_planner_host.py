@@ -268,3 +268,22 @@ def test_a_sender_per_colocated_node_keeps_a_copy_in_every_nodes_ram() -> None:
     gpu = {t.key: t for t in gpu_extra_terms(cfg, params, 0, 1.0)}                   # rank 0's stage
     assert gpu["sync_gather"].gb == pytest.approx(max(GATHER_CHUNK_BYTES, largest_tensor(params) * 2) * 2 / GB)
     assert gpu["sync_bucket"].gb == pytest.approx(512 * 2**20 / GB) and "node senders" in gpu["sync_bucket"].note
+
+
+def test_nccl_delta_keeps_the_owners_copies_in_ram_and_whole_syncs_keep_none() -> None:
+    """`nccl` with delta (`sync/gpu.NcclTransport`): each owner keeps its part on its host
+    (`sync/owners.py`), resident; the largest node's share is the term. Without delta: nothing."""
+    from megatron_rl.planner.host import owner_copy_bytes
+
+    params = count_params(json.loads((RECIPES / "models/qwen3_235b_a22b/config.json").read_text()))
+    for delta, expected in (("auto", True), ("off", False)):
+        cfg = load_recipe(RECIPES / "qwen3_235b_a22b/grpo.yaml", ["rollout.weight_transfer=nccl",
+                                                                  f"rollout.sync_delta={delta}"])
+        est = estimate(cfg, params, Hardware(8, 80.0), workload=Workload.of(cfg))
+        term = {t.key: t for t in est.nodes[0].host_terms}["sync_segments"]
+        if expected:
+            largest = max(owner_copy_bytes(params, cfg, by_node=True).values())
+            assert term.gb == pytest.approx(largest / GB) and not term.reclaimable and "nccl delta" in term.note
+            assert 0 < largest < params.total * 2 / 4          # spread over the owners' nodes
+        else:
+            assert term.gb == 0.0 and term.note == "nccl"

@@ -31,6 +31,7 @@ from megatron_rl.config import load_recipe
 from megatron_rl.config.schema import LoraConfig
 from megatron_rl.planner import PlannerError, count_params
 from megatron_rl.planner.gpus import DEFAULT_GPU, GPUS, HOST_STEP_OVERHEAD_S, gpu
+from megatron_rl.planner.host import owner_copy_bytes
 from megatron_rl.planner.memory import GB, Hardware, rollout_memory
 from megatron_rl.planner.params import Shard
 from megatron_rl.planner.plan import SAFE_MARGIN_PCT, plan
@@ -139,13 +140,27 @@ def test_train_and_logprob_seconds_by_hand() -> None:
 
 
 def test_sync_seconds_by_hand() -> None:
-    cfg, g, hw = _cfg(), GPUS["H100"], Hardware(8, 80.0)
+    g, hw = GPUS["H100"], Hardware(8, 80.0)
+    base = _cfg()
+    cfg = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, sync_delta="off"))
     params = count_params(HF)
     nbytes = params.total * 2
     # Half the tensors come to rank 0 over its NIC (2 trainer nodes), half over NVLink; one NCCL
     # broadcast to the rollout node over InfiniBand.
-    expected = nbytes / 2 / 50e9 + nbytes / 2 / 450e9 + nbytes / 50e9
+    gather = nbytes / 2 / 50e9 + nbytes / 2 / 450e9
+    expected = gather + nbytes / 50e9
     assert sync_seconds(params, cfg, rollout_memory(params, cfg, hw), g, hw).seconds == pytest.approx(expected)
+    # With delta (`auto`): every round each owner copies its part to its host (the largest last);
+    # a whole round every 20 as above, between them the owners' patches (3 × 4.5 % of the bytes)
+    # gathered to rank 0 and broadcast.
+    copies = owner_copy_bytes(params, base)
+    own = nbytes * max(copies.values()) / sum(copies.values()) / (g.pcie_gb_s * 1e9)
+    sent = nbytes * 3 * DELTA_CHANGED_FRAC
+    patches = sent / 2 / 50e9 + sent / 2 / 450e9
+    mean = (gather + 19 * patches) / 20 + own + (nbytes + 19 * sent) / 20 / 50e9
+    phase = sync_seconds(params, base, rollout_memory(params, base, hw), g, hw)
+    assert phase.seconds == pytest.approx(mean) and "sparse_nccl patches" in phase.note
+    assert phase.seconds < expected / 2
 
 
 def test_sync_seconds_of_a_sender_per_colocated_node() -> None:

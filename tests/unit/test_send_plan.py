@@ -110,7 +110,8 @@ def test_engine_of_each_transport(recipe: Path) -> None:
     else:
         assert with_m2n == transport_plan(nccl, moe, senders, delta=False, m2n=False) and why in with_m2n.why
     sparse = transport_plan(nccl, moe, senders, delta=True, m2n=True)
-    assert sparse.engine == "mrl_sparse_nccl" and sparse.senders == (0,)
+    assert sparse.engine == "mrl_nccl" and sparse.senders == (0,) and "sparse_nccl format" in sparse.why
+    assert nccl_in_force(nccl, moe, m2n=True, delta=True) == sparse.why
 
 
 def test_m2n_where_one_mesh_expresses_the_trainer() -> None:

@@ -1,0 +1,211 @@
+"""Delta syncs on `nccl` (`sync/gpu.NcclTransport`, the servers' `rollout/engines/gpu.py`), on CPU.
+
+The transport's rounds are driven as `sync_weights` drives them with one owner (rank 0's
+`OwnerCopy`), against servers that answer the routes and record every update's body, while the
+NCCL broadcasts are recorded in order instead of sent (no GPU here). What each server would load is
+rebuilt from those records through vLLM 0.32's own parts — its sparse update info and its patch
+loader (`load_checkpoint_weight_patches`) — onto the previous version, and compared bit for bit
+with the new one. The round policy (whole first, after a failure, a restart, a changed tensor set,
+every `dense_every`) and the servers' engine's choice of round kind are checked too."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_rl.sync import gpu
+from megatron_rl.sync.delta import break_even
+from megatron_rl.sync.gpu import NcclTransport, sparse_patches, sparse_update_request
+from megatron_rl.sync.owners import OwnerCopy
+
+
+class NcclServer:
+    """Answers the routes as a server with the `mrl_nccl` engine does (its workers' report of how
+    many tensors they received this round), recording each /update_weights body."""
+
+    def __init__(self, name: str) -> None:
+        self.base_url, self.token, self.restarts = f"http://{name}", "t", 0
+        self.bodies: list[dict[str, Any]] = []
+        self.received = 0
+        self.fail = ""
+
+    def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
+        if path == "/start_weight_update":
+            self.received = 0
+        if path == "/update_weights":
+            if self.fail:
+                raise RuntimeError(self.fail)
+            self.bodies.append(body["update_info"])
+            self.received += len(body["update_info"]["names"])
+
+    def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
+        if method == "mrl_check_loaded":
+            expect = json.loads(args[0])
+            assert expect == {"version": None, "tensors": self.received}, (expect, self.received)
+        return [{"version": None, "tensors": self.received}]
+
+
+class Wire:
+    """What rank 0 broadcast, in order (`broadcast`'s tensors, `broadcast_patches`' indices and values)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent: list[torch.Tensor] = []
+        monkeypatch.setattr(gpu, "broadcast", lambda comm, tensors, device, packed: self.sent.extend(tensors.values()))
+        monkeypatch.setattr(gpu, "broadcast_patches",
+                            lambda comm, patches, device: self.sent.extend(t for p in patches for t in p))
+
+
+def _transport(servers: list[NcclServer], monkeypatch: pytest.MonkeyPatch, **kw: Any) -> NcclTransport:
+    monkeypatch.setattr(gpu, "SETTLE_S", 0.0)
+    monkeypatch.setattr(NcclTransport, "_connect", lambda self: None)
+    t = NcclTransport(servers, torch.device("cuda", 0), bucket_bytes=kw.pop("bucket_bytes", 1 << 20), **kw)
+    t.device = torch.device("cpu")          # where the recorded tensors stay
+    return t
+
+
+def _load(server: NcclServer, wire: list[torch.Tensor], held: dict[str, torch.Tensor]) -> None:
+    """`server`'s recorded updates onto `held` as its workers would: a whole update's tensors as
+    they are; a sparse one's (indices, values) through vLLM's update info and patch loader."""
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLWeightTransferUpdateInfo
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    from megatron_rl.rollout.engines.shm import _CheckpointTensors
+
+    for body in server.bodies:
+        if "num_updates_list" not in body:
+            for name in body["names"]:
+                held[name] = wire.pop(0).clone()
+            continue
+        info = SparseNCCLWeightTransferUpdateInfo(**body)
+        patches = []
+        for name, dtype, shape, count in zip(info.names, info.dtype_names, info.shapes, info.num_updates_list):
+            indices, values = wire.pop(0), wire.pop(0)
+            assert indices.dtype == torch.int32 and indices.numel() == values.numel() == count
+            assert values.dtype == getattr(torch, dtype)
+            patches.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=values.dtype,
+                                                 values=values, indices=indices))
+        load_checkpoint_weight_patches(_CheckpointTensors(held), patches)
+    server.bodies.clear()
+
+
+def _round(t: NcclTransport, version: int, model: dict[str, torch.Tensor], only: set[str] | None = None) -> bool:
+    """One sync as `sync._sync_by_owners` makes it with one owner: whether it was a delta."""
+    assert t.owners is not None
+    delta = t.wants_delta(only)
+    t.owners.begin()
+    t.begin(version, delta=delta, only=only)
+    names = [n for n in model if only is None or n in only]
+    for name in names:
+        part = {name: model[name]}
+        if delta:
+            t.send_patches(t.owners.patches(part, torch.bfloat16))
+        else:
+            t.send_bucket(t.owners.keep(part, torch.bfloat16))
+    t.finish(None if delta else names)
+    return delta
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.mlp.w": torch.randn(64, 32, generator=g).to(torch.bfloat16) for i in range(4)} | \
+        {"model.layers.0.linear_attn.conv1d.weight": torch.randn(16, 1, 4, generator=g).to(torch.bfloat16)}
+
+
+def _step(model: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torch.Tensor]:
+    """`frac` of each tensor's elements nudged (as an optimizer step at a small lr changes a few)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in model.items():
+        flat = t.clone().reshape(-1)
+        hit = torch.randperm(flat.numel(), generator=g)[:max(1, int(frac * flat.numel()))]
+        flat[hit] = (flat[hit].float() + 0.5).to(t.dtype)
+        out[name] = flat.reshape(t.shape)
+    return out
+
+
+def _bits(model: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    return {n: t.reshape(-1).view(torch.int16).tolist() for n, t in sorted(model.items())}
+
+
+def test_delta_rounds_rebuild_every_version_bit_for_bit_on_every_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    servers = [NcclServer("a"), NcclServer("b")]
+    wire = Wire(monkeypatch)
+    t = _transport(servers, monkeypatch, delta="auto", dense_every=4, bucket_bytes=4096)
+    held: list[dict[str, torch.Tensor]] = [{}, {}]
+    model, kinds = _model(0), []
+    for version in range(1, 7):
+        kinds.append(_round(t, version, model))
+        for server, h in zip(servers, held):
+            _load(server, list(wire.sent), h)
+        wire.sent.clear()
+        assert all(_bits(h) == _bits(model) for h in held), version
+        if kinds[-1]:       # a delta round sends a few percent of the bytes
+            assert t.stats.report()["dense"] == 0 and t.stats.bytes < 0.3 * sum(x.nbytes for x in model.values())
+        model = _step(model, 0.02, version)
+    # whole first, then deltas, one whole round in every 4 (the safety net), deltas again
+    assert kinds == [False, True, True, True, False, True]
+
+
+def test_the_short_convolution_and_a_tensor_past_the_break_even_go_as_every_index() -> None:
+    conv, w = "model.layers.0.linear_attn.conv1d.weight", "model.layers.1.mlp.w"
+    old = _model(1)
+    owners = OwnerCopy()
+    owners.keep(old, torch.bfloat16)
+    new = dict(old)
+    new[conv] = _step({conv: old[conv]}, 0.01, 2)[conv]              # one element: still whole (slice loader)
+    new[w] = _step({w: old[w]}, break_even(torch.bfloat16, old[w].numel()) + 0.1, 3)[w]
+    patches = {p[0]: p for p in sparse_patches(owners.patches(new, torch.bfloat16), {n: tuple(t.shape)
+                                                                                     for n, t in old.items()})}
+    assert patches.keys() == {conv, w}
+    for name in (conv, w):
+        assert torch.equal(patches[name][1], torch.arange(new[name].numel(), dtype=torch.int32))
+        assert torch.equal(patches[name][2].view(torch.int16), new[name].reshape(-1).view(torch.int16))
+    with pytest.raises(RuntimeError, match="did not send"):
+        sparse_patches(owners.patches(_step(old, 0.01, 4), torch.bfloat16), {})
+
+
+def test_rounds_go_whole_after_a_failure_a_restart_or_another_tensor_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = NcclServer("a")
+    wire = Wire(monkeypatch)
+    t = _transport([server], monkeypatch, delta="auto", dense_every=20)
+    model = _model(2)
+    assert not _round(t, 1, model) and _round(t, 2, _step(model, 0.02, 1))
+    server.fail = "the server went away"
+    with pytest.raises(RuntimeError, match="went away"):
+        _round(t, 3, _step(model, 0.02, 2))
+    server.fail = ""
+    assert not _round(t, 4, model)                     # it may hold part of round 3
+    server.restarts += 1
+    assert not t.wants_delta()                         # a restarted server holds no version of ours
+    assert not _round(t, 5, model) and _round(t, 6, model)
+    lora = {n for n in model if "layers.1" in n}
+    assert not _round(t, 7, model, only=lora) and _round(t, 8, _step(model, 0.02, 3), only=lora)
+    off = _transport([NcclServer("b")], monkeypatch, delta="off")
+    assert off.owners is None and not off.wants_delta()
+    wire.sent.clear()
+
+
+def test_the_servers_engine_takes_whole_and_sparse_rounds_never_mixed() -> None:
+    from megatron_rl.rollout.engines.gpu import CountingNcclEngine, NcclUpdateInfo, round_kind
+
+    old = torch.zeros(4, 4, dtype=torch.bfloat16)
+    new = old.clone()
+    new[1, 2] = 1.0
+    owners = OwnerCopy()
+    owners.keep({"a": old, "b": old}, torch.bfloat16)
+    body = sparse_update_request(sparse_patches(owners.patches({"a": new, "b": new * 0 + 2}, torch.bfloat16),
+                                                {"a": (4, 4), "b": (4, 4)}))
+    assert body["num_updates_list"] == [1, 16] and body["shapes"] == [[4, 4], [4, 4]]
+    sparse = CountingNcclEngine.update_info_cls(**body)
+    whole = NcclUpdateInfo(names=["a"], dtype_names=["bfloat16"], shapes=[[4, 4]])
+    assert round_kind(None, sparse) is True and round_kind(None, whole) is False and round_kind(True, sparse)
+    with pytest.raises(ValueError, match="one kind"):
+        round_kind(True, whole)
+    with pytest.raises(ValueError, match="num_updates_list"):          # vLLM's own validation
+        NcclUpdateInfo(names=["a"], dtype_names=["bfloat16"], shapes=[[4, 4]], num_updates_list=[1, 2])
