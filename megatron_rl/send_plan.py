@@ -180,8 +180,9 @@ def transport_plan(cfg: RecipeConfig, moe: bool, senders: Sequence[int], delta: 
     if delta:
         return TransportPlan("mrl_nccl", True, (0,),
                              "nccl with delta sync: the owners' patches, gathered to rank 0 and broadcast in vLLM's "
-                             "sparse_nccl format, a whole broadcast every rollout.sync_dense_every syncs (not "
-                             "nccl_m2n: it sends whole tensors)")
+                             "sparse_nccl format and patched in place (the servers on vLLM's Triton MoE kernels), a "
+                             "whole broadcast every rollout.sync_dense_every syncs (not nccl_m2n: it sends whole "
+                             "tensors)")
     why = m2n_refusal(cfg, moe)
     if m2n is None:
         m2n = m2n_importable()

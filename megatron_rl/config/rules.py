@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from ..model_config import ModelConfigError, num_experts, read_hf_config, resolve_hf_config
 from ..topology import duplicate_gpus, nccl_weight_group, weight_copy_path
-from .schema import RecipeConfig
+from .schema import RecipeConfig, RolloutConfig
 
 Level = Literal["error", "warning"]
 HF = dict[str, Any] | None
@@ -255,6 +255,13 @@ def _weight_transfer(cfg: RecipeConfig, hf: HF) -> list[Finding]:
                         "GPU(s) shared); use 'shm' or 'ipc' for colocated servers, 'nccl' with placement "
                         "'disaggregated'")]
     return []
+
+
+def nccl_patches_in_place(r: RolloutConfig) -> bool:
+    """Whether this rollout's servers may take `sparse_nccl` delta rounds, patched in place
+    (`rollout/engines/gpu.py`): weight transfer `nccl`, `sync_delta` not 'off', no level-2 sleep.
+    Their launch then asks for vLLM's Triton MoE kernels (`RolloutServer.command`)."""
+    return r.weight_transfer == "nccl" and r.sync_delta != "off" and r.sleep_level != 2
 
 
 def delta_sync_where(cfg: RecipeConfig) -> str | None:

@@ -222,8 +222,10 @@ class RolloutConfig:
     on 'ipc'); 'on' = there, and refused where not
     supported; 'off' = every version whole. Rounds that go whole anyway: the first, every
     `sync_dense_every`-th, a diagnosis' re-send, one after a failed round, and one whose tensors
-    differ from the last round's (LoRA/QLoRA's first syncs); a tensor whose changed fraction
-    passes the break-even (1/3 in bf16) goes whole. Bit-identical to a dense sync."""
+    differ from the last round's (LoRA/QLoRA's first syncs); on 'shm', a tensor whose changed
+    fraction passes the break-even (1/3 in bf16) goes whole. On 'nccl' (not 'off', no level-2
+    sleep) the servers run vLLM's Triton MoE kernels, which keep the experts where the in-place
+    patches address them. Bit-identical to a dense sync."""
     sync_dense_every: int = spec(20, ge=1)
     """With delta sync, every N-th version is sent whole all the same (a safety net; 1 = always)."""
     verify_every: int = spec(1, ge=0)

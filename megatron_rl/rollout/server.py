@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import torch
 
+from ..config.rules import nccl_patches_in_place
 from ..config.schema import RolloutConfig
 from ..ports import free_port
 from .affinity import CPUS_ENV, format_cpu_list, online_cpus
@@ -207,6 +208,11 @@ class RolloutServer:
             # /sleep pauses the scheduler and its worker's sleep() is a no-op, so on CPU the same
             # calls run and free nothing.
             args.append("--enable-sleep-mode")
+        if torch.cuda.is_available() and nccl_patches_in_place(c):
+            # Delta rounds patch the live weights in checkpoint coordinates (engines/gpu.py): the
+            # experts must stay in that layout, which vLLM's Triton MoE kernels keep and its
+            # FlashInfer ones (Blackwell's default) do not. Hopper's default is Triton anyway.
+            args += ["--moe-backend", "triton"]
         if c.routing_replay and torch.cuda.is_available():
             # Routes from sampling (needs vLLM's Model Runner V2, i.e. Triton; prefix caching
             # stays on, as the flag requires). CPU servers re-score instead: rollout/routes.py.

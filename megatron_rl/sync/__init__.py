@@ -125,8 +125,8 @@ class OwnerSender:
     """A trainer rank other than 0 in a run whose syncs may be deltas compared by the owners
     (`owners.py`): its own part's host copy, nothing else (rank 0's transport sends)."""
 
-    def __init__(self) -> None:
-        self.owners = OwnerCopy()
+    def __init__(self, whole_past_break_even: bool = True) -> None:
+        self.owners = OwnerCopy(whole_past_break_even=whole_past_break_even)
 
     # A `Transport` by shape; `sync_weights` takes the owners' path before any of these.
     def begin(self, version: int) -> None:

@@ -70,7 +70,7 @@ def sparse_patches(part: dict[str, torch.Tensor], shapes: dict[str, tuple[int, .
     (`owners.patch_names`: indices and values, or a whole tensor) in vLLM's `sparse_nccl` format,
     on the device they came on. `shapes`: every tensor's full shape, from the last whole round.
     That format has no whole-tensor patch, so a whole one goes as every index (3 × its bf16 bytes:
-    rare, past the break-even or a `delta.whole_only` tensor); indices are int32 only (its
+    a `delta.whole_only` tensor, the short convolution); indices are int32 only (its
     `_validate_patch`), so a tensor of 2³¹ elements or more is refused, naming it."""
     out: list[SparsePatch] = []
     for name, (indices, values) in patch_names(part).items():
@@ -187,8 +187,13 @@ class _GpuTransport:
                 link.start()
                 started.append(link)
         except BaseException:
+            # Close the updates already opened (vLLM refuses the next start while one is open: an
+            # external server would refuse every later run), each server resumed either way.
             for link in started:
-                link.server.post("/resume")
+                try:
+                    link.finish(self.version)
+                except Exception:            # noqa: BLE001 - the original error matters more
+                    pass
             raise
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -212,7 +217,8 @@ class _GpuTransport:
         return self._close_round()
 
     def _close_round(self) -> dict[str, Any]:
-        """Every server finishes the update and checks that each worker loaded all `self.sent`."""
+        """Every server finishes the update and checks that each worker received all `self.sent`
+        (loaded them, in a whole round: `rollout/engines/gpu.py` says what a sparse one counts)."""
         def close(link: GpuLink) -> dict[str, Any]:
             # version None: finished, not yet committed (vLLM's GPU engines carry no version)
             link.finish(self.version, self.sent_bytes, expect={"version": None, "tensors": len(self.sent)})
@@ -253,8 +259,9 @@ class NcclTransport(_GpuTransport):
         self.master_address = master_address
         self.comm: Any = None
         self.policy = DeltaPolicy(delta, dense_every)
-        self.owners: OwnerCopy | None = OwnerCopy() if delta != "off" else None
-        """Rank 0's own part of the comparison (every owner holds one: `owners.py`)."""
+        self.owners: OwnerCopy | None = OwnerCopy(whole_past_break_even=False) if delta != "off" else None
+        """Rank 0's own part of the comparison (every owner holds one: `owners.py`); a tensor
+        past the break-even goes as its changed elements, fewer bytes than every index."""
         self.stats = DeltaStats()
         self.delta = False
         self.shapes: dict[str, tuple[int, ...]] = {}

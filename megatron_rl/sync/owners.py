@@ -37,6 +37,10 @@ class OwnerCopy:
     held: dict[str, torch.Tensor] = field(default_factory=dict)
     changed: int = 0
     elements: int = 0
+    whole_past_break_even: bool = True
+    """A tensor whose changed fraction passes the break-even goes whole. Not on `nccl`: vLLM's
+    sparse_nccl format has no whole tensor (it goes as every index, `gpu.sparse_patches`), so
+    the changed elements alone always cost fewer bytes there."""
 
     def begin(self) -> None:
         self.changed = self.elements = 0
@@ -69,12 +73,18 @@ class OwnerCopy:
             self.elements += host.numel()
             if not where.numel():
                 continue
+            values = host[where]
+            if new.dtype.is_floating_point and torch.isnan(values).any():
+                # vLLM's patch loader reserves NaN for "unchanged" and refuses it as a value: every
+                # delta round would fail on the servers, and a NaN weight is a diverged run anyway.
+                raise RuntimeError(f"delta sync: {name} holds NaN (the training diverged): stopping instead of "
+                                   "sending it")
             sparse_ok = new.dtype.is_floating_point and not whole_only(name)   # NaN marks, `copy_` loaders
-            if not sparse_ok or where.numel() > break_even(new.dtype, host.numel()) * host.numel():
+            past = self.whole_past_break_even and where.numel() > break_even(new.dtype, host.numel()) * host.numel()
+            if not sparse_ok or past:
                 out[name + SEP + WHOLE] = new.reshape(-1)
                 flat.copy_(host)
                 continue
-            values = host[where]
             out[name + SEP + INDICES] = where.to(index_dtype(host.numel())).to(new.device)
             out[name + SEP + VALUES] = values.to(new.device)
             flat[where] = values

@@ -96,7 +96,7 @@ class WeightPublisher:
         self._open()
         owners = getattr(self.transport, "owners", None) is not None if self.rank0 else False
         if from_rank0(owners) and not self.rank0:               # collective: every rank
-            self.transport = OwnerSender()
+            self.transport = OwnerSender(whole_past_break_even=self.cfg.rollout.weight_transfer != "nccl")
 
     def _open(self) -> None:
         r = self.cfg.rollout

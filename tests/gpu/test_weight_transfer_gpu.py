@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.sync import make_transport
+from megatron_rl.sync import gpu, make_transport
 from megatron_rl.sync.gpu import NcclTransport
 from megatron_rl.weights.hf_io import HFCheckpointReader
 from tests.helpers.gpu import require
@@ -74,7 +74,9 @@ def test_nccl_delta_round_patches_a_cuda_server_in_place(tmp_path: Path, monkeyp
     """`nccl` with delta (`NcclTransport`, the server's `mrl_nccl` engine): a whole round, then one
     whose patches (2 % of each tensor's elements, as `sync._sync_by_owners` makes them with one
     owner) go in vLLM's sparse_nccl format and are applied in place; the server's log-probs are
-    then those of the second version."""
+    then those of the second version. The bucket is small, so each round goes in several updates
+    (a sparse round's later ones without the refusal wait); the server runs vLLM's Triton MoE
+    kernels, which keep the experts in the layout the patches address."""
     require("vllm", why="a vLLM server on the GPU")
     if torch.cuda.device_count() < 2:
         pytest.skip("the nccl test needs 2 GPUs (NCCL refuses two ranks on one device)")
@@ -94,9 +96,15 @@ def test_nccl_delta_round_patches_a_cuda_server_in_place(tmp_path: Path, monkeyp
     server = start_server(model, tmp_path / "run", gpu_memory_utilization=0.3, weight_transfer="nccl")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     device = torch.device("cuda", 0)
-    transport, links = make_transport("nccl", [server], None, 64 << 20, device, delta="on")
+    cmd = server.command()
+    assert cmd[cmd.index("--moe-backend") + 1] == "triton"
+    transport, links = make_transport("nccl", [server], None, 4 << 10, device, delta="on")
     assert isinstance(transport, NcclTransport) and transport.owners is not None
     owners = transport.owners
+    rounds: list[int] = []
+    broadcast_patches = gpu.broadcast_patches
+    monkeypatch.setattr(gpu, "broadcast_patches",
+                        lambda comm, patches, dev: (rounds.append(len(patches)), broadcast_patches(comm, patches, dev)))
     names = sorted(v1)
     try:
         for version, state in ((1, v1), (2, v2)):
@@ -113,6 +121,7 @@ def test_nccl_delta_round_patches_a_cuda_server_in_place(tmp_path: Path, monkeyp
             result = transport.finish(None if delta else names)
             assert result["version"] == version, result
         assert transport.stats.report()["dense"] == 0
+        assert len(rounds) > 1 and sum(rounds) == len(names), rounds
         got = RolloutClient.for_server(server).prompt_logprobs(sequences)
         worst = max((torch.tensor(a, dtype=torch.float64) - b).abs().max().item() for a, b in zip(got, expected))
         assert worst <= TOLERANCE, worst

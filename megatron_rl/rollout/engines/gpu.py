@@ -5,8 +5,10 @@ trainer side (`sync/gpu.py`) speaks to them exactly as to `nccl` / `ipc`. The ad
 
 - each worker counts the tensors it received in the current update and, once it finished,
   records them with the version the trainer then commits (`WorkerExtension.mrl_commit_version`), so
-  the trainer checks every worker's own report as with the CPU backend; and, armed by a failed
-  verification (`digest.py`), each checksums what it received;
+  the trainer checks every worker's own report as with the CPU backend (in a sparse round, the
+  tensors its updates named: upstream's sparse receive drops what its patch loader says it
+  loaded, so whether each patch landed is for the log-prob gate and `/weight_checker` to see);
+  and, armed by a failed verification (`digest.py`), each checksums what it received;
 - `mrl_nccl` also takes a delta sync's rounds in vLLM's `sparse_nccl` format: an update whose info
   carries `num_updates_list` is received by vLLM's own sparse receive (int32 indices, then values,
   per tensor; `SparseNCCLWeightTransferEngine.receive_weights`) and applied in place through vLLM's
@@ -14,6 +16,8 @@ trainer side (`sync/gpu.py`) speaks to them exactly as to `nccl` / `ipc`. The ad
   for its life, and vLLM's `sparse_nccl` has no whole-tensor path, which the first sync, a
   restarted server's and every `rollout.sync_dense_every`-th need: so one engine takes both, the
   kind decided by a round's first update (a round is one kind or the other; mixing is refused).
+  Patches land in the live weights, so they are refused where vLLM keeps experts in a layout of
+  its own (`in_place_refusal`; the servers ask for its Triton MoE kernels, `RolloutServer.command`).
 """
 
 from __future__ import annotations
@@ -73,6 +77,31 @@ def round_kind(current: bool | None, update_info: NcclUpdateInfo) -> bool:
     return sparse
 
 
+IN_PLACE_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+"""vLLM's unquantized MoE kernels that keep the experts in the checkpoint's layout
+(`fused_moe/oracle/unquantized.py` `convert_to_unquantized_kernel_format`): FlashInfer TRTLLM
+re-lays them out in blocks and FlashInfer CUTLASS swaps the gate and up halves, in the live tensors."""
+
+
+def in_place_refusal(model: Any) -> str | None:
+    """Why a patch written in checkpoint coordinates into this model's live weights would land in
+    the wrong elements, or None. vLLM's patch loader writes through each parameter's weight loader
+    and does not re-run `process_weights_after_loading` (a dense round's layer-wise reload does),
+    so the experts must be kept as loaded."""
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, FusedMoEMethodBase):
+            continue
+        backend = getattr(method, "unquantized_backend", None)
+        if backend is None:
+            return f"{name}: quantized experts ({type(method).__name__}) are kept processed"
+        if backend.name not in IN_PLACE_MOE_BACKENDS:
+            return f"{name}: vLLM's {backend.value} MoE kernel keeps the experts in a layout of its own"
+    return None
+
+
 class CountingNcclEngine(NCCLWeightTransferEngine):
     """vLLM's `nccl` engine, counting, and taking `sparse_nccl` rounds (see the module's note)."""
 
@@ -80,6 +109,8 @@ class CountingNcclEngine(NCCLWeightTransferEngine):
     received = 0
     sparse: bool | None = None
     """This round's kind (None: no update yet)."""
+    refusal: str | None = None
+    """`in_place_refusal` of this engine's model ('' none), once it was asked."""
 
     def start_weight_update(self) -> None:
         # The layer-wise reload is entered by the first whole update: a sparse round must not.
@@ -88,6 +119,8 @@ class CountingNcclEngine(NCCLWeightTransferEngine):
     def receive_weights(self, update_info: NcclUpdateInfo) -> None:  # type: ignore[override]
         first = self.sparse is None
         self.sparse = round_kind(self.sparse, update_info)
+        if self.sparse and first:
+            self._check_in_place()
         with loads_recorded(self.model):
             if self.sparse:
                 info = SparseNCCLWeightTransferUpdateInfo(**asdict(update_info))
@@ -97,6 +130,16 @@ class CountingNcclEngine(NCCLWeightTransferEngine):
                     super().start_weight_update()         # vLLM's: initialize_layerwise_reload
                 super().receive_weights(update_info)
         self.received += len(update_info.names)
+
+    def _check_in_place(self) -> None:
+        """Refuse a sparse round before its broadcast (the trainer waits `SETTLE_S` for a refusal
+        of a round's first update) where it would corrupt the weights; once per engine."""
+        if self.refusal is None:
+            self.refusal = in_place_refusal(self.model) or ""
+        if self.refusal:
+            raise RuntimeError(f"mrl_nccl: a sparse_nccl delta round would corrupt {self.refusal}. Start the server "
+                               "with --moe-backend triton (megatron-rl's servers are, for nccl with "
+                               "rollout.sync_delta on or auto) or set rollout.sync_delta: off")
 
     def finish_weight_update(self) -> None:
         if self.sparse is False:
