@@ -482,6 +482,14 @@ def _network_parts(nbytes: float, gather: float, load: float, params: ModelParam
     return (gather + (every - 1) * patches) / every, (whole + (every - 1) * delta) / every, how
 
 
+def _patch_apply_seconds(nbytes: float, cfg: RecipeConfig, g: GpuSpec) -> float:
+    """A delta round's apply on the servers (vLLM's patch loader, `checkpoint_weight_patch.py`),
+    every worker at once: each patched checkpoint tensor staged whole in HBM (NaN where unchanged:
+    one write of the unsharded bytes, on every worker), then masked into the worker's shard
+    (`torch.where`: two reads and a write of the shard). Every tensor has some change at RL rates."""
+    return (nbytes + 3 * nbytes / cfg.rollout.tensor_parallel_size) / g.hbm_bytes_s
+
+
 def _nccl_delta_parts(nbytes: float, gather: float, params: ModelParams, cfg: RecipeConfig, g: GpuSpec,
                       share: float, link: float) -> tuple[float, float, str]:
     """`_sync_parts` of `nccl` with delta (`sync/gpu.NcclTransport`): per round each owner copies
@@ -489,14 +497,14 @@ def _nccl_delta_parts(nbytes: float, gather: float, params: ModelParams, cfg: Re
     whole round gathers every tensor to rank 0 and broadcasts it, a delta round gathers only the
     owners' patches (onto rank 0's GPU) and broadcasts them in vLLM's sparse_nccl format, which
     the servers apply in place (no layer-wise reload; the whole broadcast's load is not counted
-    either, as without delta)."""
+    either, as without delta), which costs each worker `_patch_apply_seconds`."""
     ib, pcie, nvlink = g.ib_gb_s * 1e9, g.pcie_gb_s * 1e9, g.nvlink_gb_s * 1e9
     copies = owner_copy_bytes(params, cfg)
     own = nbytes * max(copies.values()) / sum(copies.values()) / pcie      # the largest owner's part
     every, nodes = cfg.rollout.sync_dense_every, cfg.parallelism.nodes
     patch = (share * every - 1) / (every - 1)           # the delta rounds' share (`_delta_mean`)
     sent = nbytes * patch
-    patches = sent * (1 - 1 / nodes) / ib + sent / nodes / nvlink
+    patches = sent * (1 - 1 / nodes) / ib + sent / nodes / nvlink + _patch_apply_seconds(nbytes, cfg, g)
     how = f"one NCCL broadcast, sparse_nccl patches between whole ones ({len(copies)} owners copy their parts)"
     return (gather + (every - 1) * patches) / every, own + (nbytes + (every - 1) * sent) / every / link, how
 

@@ -152,11 +152,12 @@ def test_sync_seconds_by_hand() -> None:
     assert sync_seconds(params, cfg, rollout_memory(params, cfg, hw), g, hw).seconds == pytest.approx(expected)
     # With delta (`auto`): every round each owner copies its part to its host (the largest last);
     # a whole round every 20 as above, between them the owners' patches (3 × 4.5 % of the bytes)
-    # gathered to rank 0 and broadcast.
+    # gathered to rank 0 and broadcast, and applied by every server worker (TP 2): each patched
+    # tensor staged whole (NaN where unchanged), then masked into the worker's half, in HBM.
     copies = owner_copy_bytes(params, base)
     own = nbytes * max(copies.values()) / sum(copies.values()) / (g.pcie_gb_s * 1e9)
     sent = nbytes * 3 * DELTA_CHANGED_FRAC
-    patches = sent / 2 / 50e9 + sent / 2 / 450e9
+    patches = sent / 2 / 50e9 + sent / 2 / 450e9 + (nbytes + 3 * nbytes / 2) / (g.hbm_tb_s * 1e12)
     mean = (gather + 19 * patches) / 20 + own + (nbytes + 19 * sent) / 20 / 50e9
     phase = sync_seconds(params, base, rollout_memory(params, base, hw), g, hw)
     assert phase.seconds == pytest.approx(mean) and "sparse_nccl patches" in phase.note
