@@ -61,6 +61,14 @@ def whole_only(name: str) -> bool:
     return any(part in name for part in WHOLE_ONLY)
 
 
+def refuse_nan(name: str, values: torch.Tensor) -> None:
+    """Stop on a NaN among a delta's changed values (`values`, of tensor `name`): vLLM's patch
+    loader reserves NaN for "unchanged" and refuses it as a value (checkpoint_weight_patch.py), so
+    every delta round would fail on the servers, and a NaN weight is a diverged run anyway."""
+    if values.is_floating_point() and bool(torch.isnan(values).any()):
+        raise RuntimeError(f"delta sync: {name} holds NaN (the training diverged): stopping instead of sending it")
+
+
 def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Flat indices (int64) where `new` and `old` (same dtype and shape, on the host) differ bitwise."""
     bits = INT_OF_SIZE[new.element_size()]
@@ -162,6 +170,7 @@ class DeltaRound:
         self.stats.elements += host.numel()
         if not where.numel():
             return
+        refuse_nan(entry[0], host[where])
         start = time.perf_counter()
         try:
             self._write(t, host, old, where, entry, area)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .delta import break_even, changed, index_dtype, whole_only
+from .delta import break_even, changed, index_dtype, refuse_nan, whole_only
 
 SEP = "|"
 INDICES, VALUES, WHOLE = "i", "v", "w"
@@ -74,11 +74,7 @@ class OwnerCopy:
             if not where.numel():
                 continue
             values = host[where]
-            if new.dtype.is_floating_point and torch.isnan(values).any():
-                # vLLM's patch loader reserves NaN for "unchanged" and refuses it as a value: every
-                # delta round would fail on the servers, and a NaN weight is a diverged run anyway.
-                raise RuntimeError(f"delta sync: {name} holds NaN (the training diverged): stopping instead of "
-                                   "sending it")
+            refuse_nan(name, values)
             sparse_ok = new.dtype.is_floating_point and not whole_only(name)   # NaN marks, `copy_` loaders
             past = self.whole_past_break_even and where.numel() > break_even(new.dtype, host.numel()) * host.numel()
             if not sparse_ok or past:

@@ -145,6 +145,27 @@ def test_a_server_restarted_during_a_delta_round_gets_the_previous_version_whole
         t.close()
 
 
+def test_a_nan_weight_stops_a_delta_round_naming_it_before_the_server_loads_any_of_it() -> None:
+    """vLLM's patch loader refuses NaN values (NaN marks "unchanged"): the trainer stops, naming the
+    tensor, before anything of the round is written, instead of every delta failing on the server."""
+    server = EngineRecorder("a")
+    t = SharedSegmentTransport([server], None, segment_bytes=8 << 10, delta="on")
+    try:
+        v1 = _model(1)
+        _sync(t, 1, v1)
+        bad = _step(v1, 0.02, 6)
+        bad["model.layers.2.w"][5, 7] = float("nan")
+        with pytest.raises(RuntimeError, match=r"model\.layers\.2\.w holds NaN"):
+            _sync(t, 2, bad)
+        t.abort()                                               # as `sync_weights` does on an error
+        assert _digests(server.loaded) == _digests(v1)          # the server kept the last version
+        v3 = _step(v1, 0.02, 7)
+        _sync(t, 3, v3)                                         # nothing of round 2 landed: a delta from v1
+        assert _digests(server.loaded) == _digests(v3)
+    finally:
+        t.close()
+
+
 def test_on_is_refused_for_servers_reading_the_shared_run_dir(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="rollout.sync_delta: 'on' .* shared run dir"):
         SharedSegmentTransport([EngineRecorder("a")], tmp_path / "sync", segment_bytes=1024, delta="on")
