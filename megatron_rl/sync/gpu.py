@@ -274,12 +274,15 @@ class NcclTransport(_GpuTransport):
         self.patch_bytes = 0
         self.round_shapes: dict[str, tuple[int, ...]] = {}
         """The shapes of what this whole round sent so far."""
+        self.in_place_refusal = ""
+        """Why some server cannot take patches in place ('' none), as they said at the connect."""
 
     def wants_delta(self, only: set[str] | None = None) -> bool:
         """Whether the next round can be a delta: the policy says so, and every server holds the
         last round that landed (none restarted since), which sent the same tensors as this one."""
         now = ([link.server.restarts for link in self.links], frozenset(only) if only is not None else None)
-        return self.owners is not None and self.held_for == now and self.policy.wants_delta(True)
+        return self.owners is not None and not self.in_place_refusal and self.held_for == now and \
+            self.policy.wants_delta(True)
 
     def begin(self, version: int, delta: bool = False, only: set[str] | None = None) -> None:
         super().begin(version)
@@ -359,6 +362,27 @@ class NcclTransport(_GpuTransport):
 
         _on_threads(calls, lambda: result.append(open_group(address, port, 1 + sum(sizes), self.device)), SETTLE_S)
         self.comm = result[0]
+        self._ask_in_place()
+
+    def _ask_in_place(self) -> None:
+        """Ask every server, before any delta round, whether its workers can take patches in place
+        (`WorkerExtension.mrl_in_place_refusal`): a refusal raised inside a round would leave a
+        TP > 1 server's workers' replies out of step (vLLM's executor stops reading at the first
+        failed one, `multiproc_executor.py`). `rollout.sync_delta: on` then stops the run; `auto`
+        sends every version whole, saying why once."""
+        if self.owners is None:
+            return
+        said = sorted({f"{link.server.base_url}: {why}" for link in self.links
+                       for why in link.server.rpc("mrl_in_place_refusal") if why})
+        refusal = "; ".join(said)
+        if refusal and self.policy.mode == "on":
+            raise RuntimeError(f"rollout.sync_delta 'on': a server cannot take sparse_nccl patches in place "
+                               f"({refusal}); start it with --moe-backend triton or use sync_delta 'auto' (whole "
+                               "syncs there)")
+        if refusal and refusal != self.in_place_refusal:
+            print(f"[weight sync] rollout.sync_delta auto: every version goes whole, the servers cannot take "
+                  f"patches in place ({refusal})", flush=True)
+        self.in_place_refusal = refusal
 
     def _send(self, tensors: dict[str, torch.Tensor]) -> None:
         local = {n: t.to(self.device).contiguous() for n, t in tensors.items()}

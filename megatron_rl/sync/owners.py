@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .delta import break_even, changed, index_dtype, refuse_nan, whole_only
+from .delta import break_even, changed, index_dtype, whole_only
 
 SEP = "|"
 INDICES, VALUES, WHOLE = "i", "v", "w"
@@ -37,6 +37,9 @@ class OwnerCopy:
     held: dict[str, torch.Tensor] = field(default_factory=dict)
     changed: int = 0
     elements: int = 0
+    nan: list[str] = field(default_factory=list)
+    """The tensors of this round whose changed values hold NaN: not sent, and every rank stops
+    after the gather (`sync._sync_by_owners`), not this one alone in the middle of it."""
     whole_past_break_even: bool = True
     """A tensor whose changed fraction passes the break-even goes whole. Not on `nccl`: vLLM's
     sparse_nccl format has no whole tensor (it goes as every index, `gpu.sparse_patches`), so
@@ -44,6 +47,7 @@ class OwnerCopy:
 
     def begin(self) -> None:
         self.changed = self.elements = 0
+        self.nan = []
 
     def keep(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A dense round: every tensor goes whole (in `dtype`); each is remembered on the host."""
@@ -74,7 +78,9 @@ class OwnerCopy:
             if not where.numel():
                 continue
             values = host[where]
-            refuse_nan(name, values)
+            if values.is_floating_point() and bool(torch.isnan(values).any()):
+                self.nan.append(name)         # vLLM's patch loader refuses NaN (`delta.refuse_nan`)
+                continue
             sparse_ok = new.dtype.is_floating_point and not whole_only(name)   # NaN marks, `copy_` loaders
             past = self.whole_past_break_even and where.numel() > break_even(new.dtype, host.numel()) * host.numel()
             if not sparse_ok or past:

