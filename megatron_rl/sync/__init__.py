@@ -152,18 +152,32 @@ def _sync_by_owners(model: torch.nn.Module, adapter: WeightAdapter, transport: A
     rank0 = dist.get_rank() == 0
     start = time.perf_counter()
     owners: OwnerCopy = transport.owners
-    delta = bool(from_rank0(rank0 and transport.wants_delta(only)))
+    decision: tuple[bool | None, bool] = (False, False)
+    error: BaseException | None = None
+    if rank0:
+        try:
+            decision = _begin_on_rank0(transport, version, only)
+        except BaseException as exc:          # every rank is told first (below), not left in the gather
+            decision, error = (None, False), exc
+    delta, keep = from_rank0(decision)
+    if error is not None:
+        raise error
+    if delta is None:
+        raise RuntimeError("weight sync: trainer rank 0 could not begin the round (its log says why)")
     owners.begin()
-    on_owner = partial(owners.patches if delta else owners.keep, dtype=dtype)
+    if not keep:                              # no delta will follow: no host copies either
+        owners.held.clear()
+    on_owner = partial(owners.patches if delta else owners.keep, dtype=dtype) if keep else None
     names: list[str] = []
     total = sends = 0
-    if rank0:
-        transport.begin(version, delta=delta, only=only)
     try:
         for layer in gather_hf_layers(model, adapter, only, on_owner=on_owner):
             if not rank0:
                 continue
-            part = dict(layer)
+            part = dict(layer) if keep else {name: t.to(dtype) for name, t in layer}
+            if not keep:                              # a whole round, every element "changed"
+                owners.elements += sum(t.numel() for t in part.values())
+                owners.changed = owners.elements
             if delta:
                 transport.send_patches(part)
             else:
@@ -190,6 +204,18 @@ def _sync_by_owners(model: torch.nn.Module, adapter: WeightAdapter, transport: A
     stats.changed, stats.elements = int(counts[0]), int(counts[1])
     tensors = len(names) if not delta else server.get("tensors", 0)
     return SyncReport(version, tensors, total, sends, time.perf_counter() - start, server, stats.report())
+
+
+def _begin_on_rank0(transport: Any, version: int, only: set[str] | None) -> tuple[bool, bool]:
+    """Rank 0 begins a round of the owners' path before any rank enters the gather (a failure there
+    — the servers refused, a connect failed — is then told to every rank by the caller, rather than
+    rank 0 stopping alone while the others wait in the gather's collectives). Returns (delta, keep:
+    the owners keep host copies for later deltas)."""
+    delta = transport.wants_delta(only)
+    transport.begin(version, delta=delta, only=only)
+    # A server that cannot take patches in place (`NcclTransport._ask_in_place`, asked at the
+    # connect in this begin) gets whole rounds only: the owners' host copies would serve nothing.
+    return delta, delta or not getattr(transport, "in_place_refusal", "")
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -350,6 +350,7 @@ class NcclTransport(_GpuTransport):
             for link in self.links:
                 link.server.post("/shutdown_weight_transfer_engine")
             self.comm = None
+        self._ask_in_place()          # before any engine is tied to this trainer: a refusal leaves none
         sizes = [world_size(link.server) for link in self.links]
         address = self.master_address or master_address([urlsplit(link.server.base_url).hostname or ""
                                                           for link in self.links])
@@ -362,7 +363,6 @@ class NcclTransport(_GpuTransport):
 
         _on_threads(calls, lambda: result.append(open_group(address, port, 1 + sum(sizes), self.device)), SETTLE_S)
         self.comm = result[0]
-        self._ask_in_place()
 
     def _ask_in_place(self) -> None:
         """Ask every server, before any delta round, whether its workers can take patches in place

@@ -2,7 +2,9 @@
 model in TP 2 + EP 2 and PP 2 (2 gloo processes, `tests/mp/owner_delta_worker.py`): the round after
 a whole one is a delta, its bytes a fraction of the whole, the changed fraction the owners count is
 the true one, and the server (vLLM's patch loader on the previous version) holds bit for bit what
-the whole gather gives. A NaN in a non-zero rank's weights stops every rank after the gather."""
+the whole gather gives. A NaN in a non-zero rank's weights stops every rank after the gather; a
+round rank 0 cannot begin stops every rank before it; servers that cannot take patches in place
+get whole rounds, with no host copies kept."""
 
 from __future__ import annotations
 
@@ -32,3 +34,9 @@ def test_owners_compare_their_parts_and_the_server_holds_the_whole_gathers_tenso
         # NaN in rank 1's weights: both ranks stop after the gather, rank 1 naming its own tensors.
         assert all("hold NaN (the training diverged)" in said for said in r["nan_stopped"]), (layout, r)
         assert "this rank's: model." in r["nan_stopped"][1], (layout, r)
+        # Rank 0's transport refuses to begin: every rank stops before the gather, rank 1 told so.
+        assert r["refused"] == ["the servers refused the round",
+                                "weight sync: trainer rank 0 could not begin the round (its log says why)"], (layout, r)
+        # Servers that cannot take patches in place: a whole round, and no owner keeps host copies.
+        assert r["plain"]["held"] == [0, 0] and r["plain_identical"], (layout, r)
+        assert r["plain"]["sent"]["dense"] == 1 and r["plain"]["sent"]["changed_frac"] == 1.0, (layout, r)

@@ -4,7 +4,8 @@ Megatron model in several layouts, over a `NetworkCopyTransport` to one rollout 
 loader applies each round's patches, `tests/unit/test_sync_shm.EngineRecorder`).
 
 Per layout: a whole sync, then about 1 % of each local shard's elements moved, then a delta sync,
-then one with NaN in rank 1's parameters.
+then one with NaN in rank 1's parameters, one that rank 0's transport refuses to begin, and a whole
+one to servers that cannot take patches in place.
 Rank 0 reports whether each round was a delta, the changed fraction the owners counted and the
 true one (from two whole gathers), and whether the server holds the whole gather's tensors bit
 for bit.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import sys
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,22 +59,60 @@ def move_some(model: torch.nn.Module, frac: float = 0.01) -> None:
             flat[hit] += 0.01
 
 
-def nan_sync(model: torch.nn.Module, adapter: object, transport: object) -> list[str]:
-    """A NaN in the first element of every parameter of rank 1 only, then a sync: each rank's
-    error (rank 1 owns parts of its own, its stage or its experts: it must not stop alone in the
-    middle of the gather, with rank 0 waiting there and the servers paused)."""
-    with torch.no_grad():
-        for p in local_params(model):
-            if dist.get_rank() == 1:
-                p.param.data.view(-1)[0] = float("nan")
+def errors(sync: Callable[[], object]) -> list[str]:
+    """Every rank's error of `sync()` ('no error'), gathered: the group is usable afterwards only if
+    every rank stopped at one place."""
     try:
-        sync_weights(model, adapter, transport, 3, torch.float32)
+        sync()
         said = "no error"
     except RuntimeError as exc:
         said = str(exc)
     out: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(out, said)            # the group is fine: every rank stopped at one place
+    dist.all_gather_object(out, said)
     return out
+
+
+def nan_sync(model: torch.nn.Module, adapter: object, transport: object) -> list[str]:
+    """A NaN in the first element of every parameter of rank 1 only, then a sync (rank 1 owns parts
+    of its own, its stage or its experts: it must not stop alone in the middle of the gather, with
+    rank 0 waiting there and the servers paused); the weights are put back after."""
+    params = [p.param.data.view(-1) for p in local_params(model)] if dist.get_rank() == 1 else []
+    kept = [flat[0].item() for flat in params]
+    with torch.no_grad():
+        for flat in params:
+            flat[0] = float("nan")
+    try:
+        return errors(lambda: sync_weights(model, adapter, transport, 3, torch.float32))
+    finally:
+        with torch.no_grad():
+            for flat, value in zip(params, kept):
+                flat[0] = value
+
+
+def refused_begin(model: torch.nn.Module, adapter: object, transport: object) -> list[str]:
+    """Rank 0's transport refuses to begin (as a server refusing /start_weight_update): every rank
+    stops before the gather, told so by rank 0."""
+    if dist.get_rank() == 0:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("the servers refused the round")
+
+        transport.begin = refuse                  # type: ignore[attr-defined]
+    try:
+        return errors(lambda: sync_weights(model, adapter, transport, 4, torch.float32))
+    finally:
+        if dist.get_rank() == 0:
+            del transport.begin                   # type: ignore[attr-defined]
+
+
+def whole_without_copies(model: torch.nn.Module, adapter: object, transport: object) -> dict[str, object]:
+    """A transport whose servers cannot take patches in place (`in_place_refusal`, as nccl's): the
+    round goes whole and the owners keep no host copies for deltas that will not come."""
+    if dist.get_rank() == 0:
+        transport.in_place_refusal = "a server's MoE kernel"          # type: ignore[attr-defined]
+    report = sync_weights(model, adapter, transport, 5, torch.float32)
+    held: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(held, len(transport.owners.held))          # type: ignore[attr-defined]
+    return {"held": held, "sent": None if report is None else report.sent}
 
 
 def whole(model: torch.nn.Module, adapter: object) -> dict[str, torch.Tensor]:
@@ -110,7 +150,13 @@ def one_layout(hf_dir: str, hf: dict, name: str, node_shm: Path) -> dict | None:
         move_some(model)
         after = whole(model, adapter)
         second = sync_weights(model, adapter, transport, 2, torch.float32)
+        digests_after_second = {n: tensor_digest(t) for n, t in server.loaded.items()}
+        patched = server.patched
         stopped = nan_sync(model, adapter, transport)
+        refused = refused_begin(model, adapter, transport)
+        plain = whole_without_copies(model, adapter, transport)
+        held_after_plain = {n: tensor_digest(t) for n, t in server.loaded.items()} == \
+            {n: tensor_digest(t) for n, t in after.items()}
     finally:
         if rank0:
             transport.close()
@@ -120,13 +166,14 @@ def one_layout(hf_dir: str, hf: dict, name: str, node_shm: Path) -> dict | None:
         return None
     assert first is not None and second is not None and first.sent is not None and second.sent is not None
     bits = {n: (t.view(torch.int32) != before[n].view(torch.int32)).sum().item() for n, t in after.items()}
-    held = {n: tensor_digest(t) for n, t in server.loaded.items()}
+    held = digests_after_second
     return {"dense": [first.sent["dense"], second.sent["dense"]], "bytes": [first.sent["bytes"], second.sent["bytes"]],
             "changed_frac": second.sent["changed_frac"],
             "true_frac": sum(bits.values()) / sum(t.numel() for t in after.values()),
             "bit_identical": held == {n: tensor_digest(t) for n, t in after.items()},
-            "tensors": len(after), "patched": server.patched, "changed_tensors": sum(1 for b in bits.values() if b),
-            "receiver_alive": bool(thread is not None and thread.is_alive()), "nan_stopped": stopped}
+            "tensors": len(after), "patched": patched, "changed_tensors": sum(1 for b in bits.values() if b),
+            "receiver_alive": bool(thread is not None and thread.is_alive()), "nan_stopped": stopped,
+            "refused": refused, "plain": plain, "plain_identical": held_after_plain}
 
 
 def main() -> None:
