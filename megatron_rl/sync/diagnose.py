@@ -65,6 +65,11 @@ class DigestingTransport:
     def stats(self) -> Any:
         return getattr(self.inner, "stats", None)
 
+    @property
+    def in_place_refusal(self) -> str:
+        """The inner transport's (`gpu.NcclTransport`): whether the owners keep copies this round."""
+        return str(getattr(self.inner, "in_place_refusal", ""))
+
     def wants_delta(self, only: set[str] | None = None) -> bool:
         return False                    # the workers' checksums are of whole tensors
 

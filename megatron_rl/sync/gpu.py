@@ -349,7 +349,8 @@ class NcclTransport(_GpuTransport):
         if self.comm is not None:
             for link in self.links:
                 link.server.post("/shutdown_weight_transfer_engine")
-            self.comm = None
+            comm, self.comm = self.comm, None
+            comm.destroy()            # vLLM's PyNcclCommunicator has no __del__: dropped, it would leak
         self._ask_in_place()          # before any engine is tied to this trainer: a refusal leaves none
         sizes = [world_size(link.server) for link in self.links]
         address = self.master_address or master_address([urlsplit(link.server.base_url).hostname or ""

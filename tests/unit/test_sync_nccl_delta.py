@@ -341,6 +341,9 @@ def test_servers_that_cannot_patch_in_place_get_whole_rounds_or_stop_a_run_that_
     t = _transport([ok, moe], monkeypatch, delta="auto")
     t._ask_in_place()
     assert t.in_place_refusal == f"http://b: {moe.refusal}"
+    from megatron_rl.sync.diagnose import DigestingTransport
+
+    assert DigestingTransport(t).in_place_refusal == t.in_place_refusal   # a diagnosis' re-send keeps no copies
     assert "every version goes whole" in capsys.readouterr().out
     model = _model(7)
     assert not _round(t, 1, model) and not _round(t, 2, _step(model, 0.02, 1))     # whole, whole
