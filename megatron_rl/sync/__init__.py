@@ -165,19 +165,14 @@ def _sync_by_owners(model: torch.nn.Module, adapter: WeightAdapter, transport: A
     if delta is None:
         raise RuntimeError("weight sync: trainer rank 0 could not begin the round (its log says why)")
     owners.begin()
-    if not keep:                              # no delta will follow: no host copies either
-        owners.held.clear()
-    on_owner = partial(owners.patches if delta else owners.keep, dtype=dtype) if keep else None
+    on_owner = partial(owners.patches, dtype=dtype) if delta else partial(owners.keep, dtype=dtype, hold=keep)
     names: list[str] = []
     total = sends = 0
     try:
         for layer in gather_hf_layers(model, adapter, only, on_owner=on_owner):
             if not rank0:
                 continue
-            part = dict(layer) if keep else {name: t.to(dtype) for name, t in layer}
-            if not keep:                              # a whole round, every element "changed"
-                owners.elements += sum(t.numel() for t in part.values())
-                owners.changed = owners.elements
+            part = dict(layer)
             if delta:
                 transport.send_patches(part)
             else:

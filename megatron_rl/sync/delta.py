@@ -61,11 +61,16 @@ def whole_only(name: str) -> bool:
     return any(part in name for part in WHOLE_ONLY)
 
 
+def holds_nan(values: torch.Tensor) -> bool:
+    """Whether a delta's changed values hold NaN, which vLLM's patch loader reserves for
+    "unchanged" and refuses as a value (checkpoint_weight_patch.py): every delta round would fail
+    on the servers, and a NaN weight is a diverged run anyway."""
+    return values.is_floating_point() and bool(torch.isnan(values).any())
+
+
 def refuse_nan(name: str, values: torch.Tensor) -> None:
-    """Stop on a NaN among a delta's changed values (`values`, of tensor `name`): vLLM's patch
-    loader reserves NaN for "unchanged" and refuses it as a value (checkpoint_weight_patch.py), so
-    every delta round would fail on the servers, and a NaN weight is a diverged run anyway."""
-    if values.is_floating_point() and bool(torch.isnan(values).any()):
+    """Stop on a NaN among a delta's changed values (`values`, of tensor `name`): `holds_nan`."""
+    if holds_nan(values):
         raise RuntimeError(f"delta sync: {name} holds NaN (the training diverged): stopping instead of sending it")
 
 

@@ -189,11 +189,7 @@ class _GpuTransport:
         except BaseException:
             # Close the updates already opened (vLLM refuses the next start while one is open: an
             # external server would refuse every later run), each server resumed either way.
-            for link in started:
-                try:
-                    link.finish(self.version)
-                except Exception:            # noqa: BLE001 - the original error matters more
-                    pass
+            self._finish_quietly(started)
             raise
 
     def send_bucket(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -232,7 +228,11 @@ class _GpuTransport:
     def abort(self) -> None:
         """Close the servers' updates so they serve again (with a mix of weights: the run is failing)."""
         self.pending = {}
-        for link in self.links:
+        self._finish_quietly(self.links)
+
+    def _finish_quietly(self, links: Sequence[GpuLink]) -> None:
+        """Close these servers' open updates and resume them, whatever each answers."""
+        for link in links:
             try:
                 link.finish(self.version)
             except Exception:            # noqa: BLE001 - the original error matters more

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .delta import break_even, changed, index_dtype, whole_only
+from .delta import break_even, changed, holds_nan, index_dtype, whole_only
 
 SEP = "|"
 INDICES, VALUES, WHOLE = "i", "v", "w"
@@ -49,12 +49,16 @@ class OwnerCopy:
         self.changed = self.elements = 0
         self.nan = []
 
-    def keep(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """A dense round: every tensor goes whole (in `dtype`); each is remembered on the host."""
+    def keep(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, hold: bool = True) -> dict[str, torch.Tensor]:
+        """A dense round: every tensor goes whole (in `dtype`); each is remembered on the host, or,
+        without `hold` (no delta will follow it), forgotten."""
         out = {}
         for name, t in tensors.items():
             out[name] = t.detach().to(dtype)
-            self.held[name] = out[name].to("cpu", copy=True).contiguous()
+            if hold:
+                self.held[name] = out[name].to("cpu", copy=True).contiguous()
+            else:
+                self.held.pop(name, None)
             self.elements += t.numel()
         self.changed = self.elements
         return out
@@ -78,8 +82,8 @@ class OwnerCopy:
             if not where.numel():
                 continue
             values = host[where]
-            if values.is_floating_point() and bool(torch.isnan(values).any()):
-                self.nan.append(name)         # vLLM's patch loader refuses NaN (`delta.refuse_nan`)
+            if holds_nan(values):
+                self.nan.append(name)
                 continue
             sparse_ok = new.dtype.is_floating_point and not whole_only(name)   # NaN marks, `copy_` loaders
             past = self.whole_past_break_even and where.numel() > break_even(new.dtype, host.numel()) * host.numel()

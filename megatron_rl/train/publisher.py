@@ -94,9 +94,10 @@ class WeightPublisher:
         the owners of the weights compare them for delta syncs (`sync/owners.py`), every other rank
         gets a transport holding its part's copy."""
         self._open()
-        owners = getattr(self.transport, "owners", None) is not None if self.rank0 else False
-        if from_rank0(owners) and not self.rank0:               # collective: every rank
-            self.transport = OwnerSender(whole_past_break_even=self.cfg.rollout.weight_transfer != "nccl")
+        owners = getattr(self.transport, "owners", None) if self.rank0 else None
+        whole = from_rank0(None if owners is None else owners.whole_past_break_even)   # collective: every rank
+        if whole is not None and not self.rank0:                # as rank 0's own part of the comparison
+            self.transport = OwnerSender(whole_past_break_even=whole)
 
     def _open(self) -> None:
         r = self.cfg.rollout
